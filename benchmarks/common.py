@@ -1,0 +1,123 @@
+"""Shared benchmark plumbing: timing (events, CUDA-graph replay) and result files.
+
+Every benchmark prints a markdown table and writes `benchmarks/results/<name>-<device>.json` and
+`.md` with the date, device and library versions, so a figure quoted anywhere can be traced to a run.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def device_name() -> str:
+    """A short device tag for file names: 'h200', 'h100', '4xh200', or 'cpu'."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name().lower()
+    chip = next((c for c in ("h200", "h100", "a100", "b200") if c in name), name.split()[-1])
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return f"{world}x{chip}" if world > 1 else chip
+
+
+def environment() -> dict[str, str]:
+    """Versions and device, recorded beside every result."""
+    env = {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["cuda"] = str(torch.version.cuda)
+        env["gpus"] = str(torch.cuda.device_count())
+    return env
+
+
+def time_events(fn: Callable[[], object], iters: int = 50, warmup: int = 5) -> float:
+    """Median milliseconds of `fn` over `iters` calls, each bracketed by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def time_graph(fn: Callable[[], object], calls_per_graph: int = 20, replays: int = 30, warmup: int = 3) -> float:
+    """Median milliseconds per call of `fn`, captured `calls_per_graph` times back to back in one CUDA
+    graph and timed over graph replays: the way decode-sized ops run in serving, free of launch gaps.
+    `fn` must be capturable (no allocation it cannot reuse, no host sync)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls_per_graph):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls_per_graph)
+    return statistics.median(times)
+
+
+def markdown_table(rows: Sequence[dict[str, object]]) -> str:
+    """Rows of equal keys as a markdown table; floats printed with 4 significant digits."""
+    if not rows:
+        return "(no rows)\n"
+    keys = list(rows[0].keys())
+
+    def fmt(v: object) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(fmt(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(
+    name: str, rows: Sequence[dict[str, object]], notes: str = "", device: str | None = None
+) -> Path:
+    """Write `<name>-<device>.json` and `.md` under benchmarks/results/ and print the table.
+    Returns the markdown path."""
+    tag = device or device_name()
+    env = environment()
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS_DIR / f"{name}-{tag}"
+    stem.with_suffix(".json").write_text(json.dumps({"name": name, **env, "notes": notes, "rows": list(rows)}, indent=2))
+    header = f"# {name} on {env['device']}\n\n" + ", ".join(f"{k} {v}" for k, v in env.items()) + "\n\n"
+    table = markdown_table(rows)
+    stem.with_suffix(".md").write_text(header + (notes + "\n\n" if notes else "") + table)
+    print(table)
+    return stem.with_suffix(".md")

@@ -1,0 +1,26 @@
+"""Test-wide settings: deterministic CPU math and skip markers for GPU tests."""
+
+import os
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for item in items:
+        if "gpu" in item.keywords and gpus < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; none is visible"))
+        need = item.get_closest_marker("multigpu")
+        if need is not None:
+            want = need.kwargs.get("n", 2)
+            if gpus < want:
+                item.add_marker(pytest.mark.skip(reason=f"needs {want} CUDA GPUs with peer access; {gpus} visible"))
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    torch.manual_seed(0)
+
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
