@@ -34,7 +34,9 @@ def environment() -> dict[str, str]:
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else platform.processor() or "cpu",
     }
     try:
         import triton
@@ -64,7 +66,9 @@ def time_events(fn: Callable[[], object], iters: int = 50, warmup: int = 5) -> f
     return statistics.median(times)
 
 
-def time_graph(fn: Callable[[], object], calls_per_graph: int = 20, replays: int = 30, warmup: int = 3) -> float:
+def time_graph(
+    fn: Callable[[], object], calls_per_graph: int = 20, replays: int = 30, warmup: int = 3
+) -> float:
     """Median milliseconds per call of `fn`, captured `calls_per_graph` times back to back in one CUDA
     graph and timed over graph replays: the way decode-sized ops run in serving, free of launch gaps.
     `fn` must be capturable (no allocation it cannot reuse, no host sync)."""
@@ -115,7 +119,9 @@ def write_results(
     env = environment()
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     stem = RESULTS_DIR / f"{name}-{tag}"
-    stem.with_suffix(".json").write_text(json.dumps({"name": name, **env, "notes": notes, "rows": list(rows)}, indent=2))
+    stem.with_suffix(".json").write_text(
+        json.dumps({"name": name, **env, "notes": notes, "rows": list(rows)}, indent=2)
+    )
     header = f"# {name} on {env['device']}\n\n" + ", ".join(f"{k} {v}" for k, v in env.items()) + "\n\n"
     table = markdown_table(rows)
     stem.with_suffix(".md").write_text(header + (notes + "\n\n" if notes else "") + table)

@@ -15,7 +15,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if need is not None:
             want = need.kwargs.get("n", 2)
             if gpus < want:
-                item.add_marker(pytest.mark.skip(reason=f"needs {want} CUDA GPUs with peer access; {gpus} visible"))
+                item.add_marker(
+                    pytest.mark.skip(reason=f"needs {want} CUDA GPUs with peer access; {gpus} visible")
+                )
 
 
 @pytest.fixture(autouse=True)
