@@ -1,0 +1,88 @@
+"""Model hyper-parameters: one dataclass, used as the Hydra `model` config group's schema."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RopeScaling:
+    """Llama-3.1 rotary frequency scaling (`rope_type: llama3` in Hugging Face configs)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass
+class ModelArgs:
+    """Shape of a Llama-style model. Every preset under configs/model/ fills these fields."""
+
+    name: str = "debug"
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    # Grouped-query attention: key/value heads, dividing n_heads.
+    n_kv_heads: int = 4
+    vocab_size: int = 264
+    # Hidden size of the SwiGLU MLP.
+    ffn_hidden: int = 768
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # None: plain RoPE. Set for Llama-3.1 style long-context frequency scaling.
+    rope_scaling: RopeScaling | None = None
+    # Longest sequence the model accepts (rotary tables and the KV cache are sized from it).
+    max_seq_len: int = 2048
+    # Share the input embedding with the output projection.
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    # Decode only: run linear layers on FP8 weights (per-channel scales) with weft's FP8 kernels.
+    fp8: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def validate(self) -> None:
+        """Raise a one-line ValueError naming the field to change when the shape is inconsistent."""
+        checks = [
+            (
+                self.dim > 0 and self.n_layers > 0 and self.vocab_size > 0,
+                "dim, n_layers and vocab_size must be > 0",
+            ),
+            (
+                self.dim % self.n_heads == 0,
+                f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}",
+            ),
+            (
+                self.head_dim % 2 == 0,
+                f"head dim {self.head_dim} (dim / n_heads) must be even for rotary embeddings",
+            ),
+            (
+                self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0,
+                f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}",
+            ),
+            (self.ffn_hidden > 0, "model.ffn_hidden must be > 0"),
+            (self.max_seq_len > 0, "model.max_seq_len must be > 0"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    def num_params(self) -> int:
+        """Parameters of the model (a tied output projection counted once)."""
+        embed = self.vocab_size * self.dim
+        output = 0 if self.tie_embeddings else embed
+        return self.n_layers * (self._layer_matmul_params() + 2 * self.dim) + self.dim + embed + output
+
+    def training_flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs per trained token (forward + backward), as in the PaLM paper's MFU: 6 per weight
+        of every matmul (the output projection included, the embedding lookup not) plus causal
+        attention's score and value matmuls (12 * layers * dim * seq, halved by the mask)."""
+        matmul_params = self.n_layers * self._layer_matmul_params() + self.vocab_size * self.dim
+        return 6 * matmul_params + 6 * self.n_layers * self.dim * seq_len
+
+    def _layer_matmul_params(self) -> int:
+        attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
+        return attention + 3 * self.dim * self.ffn_hidden
