@@ -185,6 +185,9 @@ class Llama(nn.Module):
         w2) are scaled down with depth so the residual's variance stays put as layers are added."""
         std = self.args.init_std
         self.rope = rope_table(self.args, device=self.rope.device)
+        if self.args.tie_embeddings:
+            # to_empty() gives each module its own new parameter, which unties a shared one.
+            self.output.weight = self.tok_embeddings.weight
         nn.init.normal_(self.tok_embeddings.weight, std=1.0 if not self.args.tie_embeddings else std)
         depth_std = std / math.sqrt(2 * self.args.n_layers)
         for layer in self.layers:

@@ -1,0 +1,134 @@
+"""Typed Hydra configs. The dataclasses here are the schemas; the YAML files beside this module are
+presets and defaults. Registering them in Hydra's ConfigStore makes every key typed, so a typo or an
+unknown key fails at start-up with the list of valid keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from model.args import ModelArgs
+
+
+@dataclass
+class ParallelConfig:
+    """How ranks are arranged. World size = dp * cp * tp; dp is whatever is left."""
+
+    # Tensor-parallel degree: ranks that split every matmul (inside one NVLink node).
+    tp: int = 1
+    # Context-parallel (Ulysses) degree: ranks that split the sequence around attention.
+    cp: int = 1
+    # Communication path for tensor/sequence parallel ops: torch | symm_mem | triton.
+    comm: str = "torch"
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 300
+    # Sequences per rank per micro-batch.
+    batch_size: int = 16
+    seq_len: int = 128
+    # Micro-batches accumulated into one optimizer step.
+    grad_accum: int = 1
+    lr: float = 3e-3
+    # Cosine decay ends at lr * min_lr_ratio.
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    # Clip the global gradient norm to this value (0 disables clipping).
+    grad_clip: float = 1.0
+    seed: int = 0
+    # Stop (after saving a checkpoint) at this step as if interrupted; running again resumes.
+    stop_at: int | None = None
+    # Autocast dtype on GPU (bfloat16 | float32); CPU always trains in float32.
+    dtype: str = "bfloat16"
+    compile: bool = False
+
+
+@dataclass
+class DataConfig:
+    # None: Python's own documentation topics (shipped with Python). Else a .txt/.jsonl file or a directory.
+    path: str | None = None
+    # Field holding the text in each line of a .jsonl file.
+    jsonl_field: str = "text"
+
+
+@dataclass
+class CheckpointConfig:
+    # Save every N optimizer steps (and always at the end); 0 saves only at the end.
+    every: int = 100
+    # Number of newest checkpoints kept in the run directory.
+    keep: int = 2
+    # Start from these weights: a weft checkpoint directory or a Hugging Face model directory.
+    init_from: str | None = None
+    # After training, also write a Hugging Face directory (transformers loads it) to <run dir>/hf.
+    export_hf: bool = False
+
+
+@dataclass
+class LoggingConfig:
+    # Log metrics every N optimizer steps.
+    every: int = 10
+    progress_bar: bool = True
+
+
+@dataclass
+class TrainConfig:
+    model: ModelArgs = MISSING
+    parallel: ParallelConfig = MISSING
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # auto | cpu | cuda
+    device: str = "auto"
+
+
+@dataclass
+class ServeConfig:
+    model: ModelArgs = MISSING
+    parallel: ParallelConfig = MISSING
+    # bench: decode benchmark table; generate: print the completion of `prompt`.
+    mode: str = "bench"
+    # A weft checkpoint (step directory or run directory) or a Hugging Face model directory;
+    # None: random weights of the model preset.
+    checkpoint: str | None = None
+    prompt: str = "The Python language reference says"
+    max_new_tokens: int = 64
+    # 0 is greedy decoding.
+    temperature: float = 0.0
+    # Sample from the k most likely tokens (0: all).
+    top_k: int = 0
+    # Benchmark: sequences decoded together, prompt tokens before decoding, decode steps timed.
+    batch_size: int = 1
+    prompt_len: int = 128
+    decode_steps: int = 64
+    # Capture the decode step in a CUDA graph (GPU only).
+    cuda_graphs: bool = True
+    # Weights and activations dtype: bfloat16 | float16 | float32 (CPU runs float32 unless asked).
+    dtype: str = "bfloat16"
+    seed: int = 0
+    device: str = "auto"
+
+
+def register_configs() -> None:
+    """Register the schemas; the YAML presets in configs/ extend them by name."""
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    cs.store(name="serve_schema", node=ServeConfig)
+    cs.store(group="model", name="model_schema", node=ModelArgs)
+    cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
+
+
+def register_resolvers() -> None:
+    """`${weft_now:%Y-%m-%d_%H-%M-%S}` in run directory names: the launch time agreed by all ranks."""
+    from omegaconf import OmegaConf
+
+    from parallel.distributed import agreed_launch_time
+
+    launch = agreed_launch_time()
+    OmegaConf.register_new_resolver("weft_now", lambda pattern: launch.strftime(pattern), replace=True)

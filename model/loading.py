@@ -1,0 +1,79 @@
+"""Find and load weights named by a path: a Hugging Face model directory, a weft run directory (its
+newest checkpoint) or one weft checkpoint directory. Used by train.py (`checkpoint.init_from`) and
+serve.py (`checkpoint=`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from model.args import ModelArgs
+from model.checkpoint import latest_checkpoint, load_model_state, read_model_args
+from model.hf import args_from_hf_config, is_hf_checkpoint, load_hf_checkpoint
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """The directory whose weights `path` names; a run directory resolves to its newest checkpoint."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"checkpoint path {path} is not a directory: give a weft run/checkpoint or HF model dir"
+        )
+    if is_hf_checkpoint(path) or (path / "meta.json").is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise FileNotFoundError(
+            f"{path} holds no weft checkpoint (no checkpoints/step_*/) and no Hugging Face config.json"
+        )
+    return latest
+
+
+def checkpoint_args(path: Path) -> ModelArgs:
+    if is_hf_checkpoint(path):
+        return args_from_hf_config(json.loads((path / "config.json").read_text()))
+    return read_model_args(path)
+
+
+def resolve_init_weights(init_from: str | None, args: ModelArgs) -> tuple[Path | None, ModelArgs]:
+    """(checkpoint directory or None, the model args to build): a checkpoint's own shape replaces the
+    configured preset; only `fp8`, a choice of how to run the weights, is kept from the config."""
+    if init_from is None:
+        return None, args
+    path = resolve_checkpoint(init_from)
+    loaded = checkpoint_args(path)
+    loaded.fp8 = args.fp8
+    return path, loaded
+
+
+def load_weights_into(model: torch.nn.Module, path: Path) -> None:
+    """Copy a checkpoint's weights into `model` (already materialised on its device and dtype)."""
+    state = load_hf_checkpoint(path)[1] if is_hf_checkpoint(path) else load_model_state(path)
+    own = model.state_dict()
+    if getattr(model, "args", None) is not None and model.args.tie_embeddings:
+        own.pop("output.weight", None)
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
+    if missing or unexpected or wrong:
+        details = [
+            f"{label}: {', '.join(names[:4])}"
+            for label, names in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", wrong))
+            if names
+        ]
+        raise ValueError(
+            f"checkpoint {path} does not fit the model ({'; '.join(details)}): check the model preset"
+        )
+    with torch.no_grad():
+        for name, tensor in own.items():
+            tensor.copy_(state[name])
+
+
+def tokenizer_dir(checkpoint: Path | None) -> Path | None:
+    """Where the tokenizer of a resolved checkpoint lives: a Hugging Face directory holds its own; a
+    weft checkpoint's run directory holds the one it was trained with (None: the byte tokenizer)."""
+    if checkpoint is None:
+        return None
+    return checkpoint if is_hf_checkpoint(checkpoint) else checkpoint.parent.parent

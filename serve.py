@@ -1,0 +1,189 @@
+"""Decode with a Llama-style model: a benchmark table (default) or a text completion.
+
+    python serve.py                                          # decode benchmark, debug preset, random weights
+    python serve.py mode=bench model=llama3_8b               # on a GPU: bf16 with the roofline beside it
+    python serve.py mode=generate checkpoint=runs/train/X prompt="def fib(n):"
+    python serve.py checkpoint=/path/to/Llama-3.1-8B mode=generate   # a Hugging Face directory
+    python serve.py -m batch_size=1,8,32                     # one benchmark per batch size
+
+Every key is listed, typed and documented in configs/schema.py.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+
+from benchmarks.common import environment, markdown_table
+from configs.schema import ServeConfig, register_configs, register_resolvers
+from model.args import ModelArgs
+from model.generate import DecodeStep, generate, prefill
+from model.llama import Llama
+from model.loading import load_weights_into, resolve_init_weights, tokenizer_dir
+from model.tokenizer import load_tokenizer
+from parallel import distributed
+from train import resolve_device
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def build_model(args: ModelArgs, checkpoint: Path | None, device: torch.device, dtype: torch.dtype) -> Llama:
+    """The model in `dtype` on `device`: a checkpoint's weights, or random ones of the preset."""
+    with torch.device("meta"):
+        model = Llama(args)
+    model.to_empty(device=device)
+    model.init_weights()
+    if checkpoint is not None:
+        load_weights_into(model, checkpoint)
+    if args.fp8:
+        raise ValueError(
+            "model.fp8=true needs weft's FP8 decode kernels, which this build lacks: use model.fp8=false"
+        )
+    return model.to(dtype).eval()
+
+
+def memory_bandwidth(device: torch.device) -> float:
+    """Measured device copy bandwidth in bytes/s (bytes read plus bytes written)."""
+    src = torch.empty(1 << 28, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * src.numel() * 20 / (start.elapsed_time(end) / 1e3)
+
+
+def decode_bytes_per_step(model: Llama, batch: int, cache_len: int) -> int:
+    """Bytes one decode step must read: every weight but the embedding table (of which it reads only
+    `batch` rows), and the whole static KV cache (attention reads every cached position)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.tok_embeddings.weight
+    if not model.args.tie_embeddings:
+        weights -= embedding.numel() * embedding.element_size()
+    args = model.args
+    kv = 2 * args.n_layers * batch * args.n_kv_heads * args.head_dim * cache_len * embedding.element_size()
+    return weights + kv
+
+
+@torch.no_grad()
+def benchmark_decode(
+    model: Llama, batch: int, prompt_len: int, decode_steps: int, cuda_graphs: bool, device: torch.device
+) -> dict[str, object]:
+    """Prefill a random prompt, then time `decode_steps` decode steps (median over repeats)."""
+    cache_len = prompt_len + decode_steps
+    model.setup_caches(batch, cache_len)
+    prompt = torch.randint(0, model.args.vocab_size, (batch, prompt_len), device=device)
+    step = DecodeStep(model, batch, device, cuda_graphs)
+    token = prefill(model, prompt).argmax(-1)
+    step(token, prompt_len)  # compile / capture outside the timed region
+
+    def decode_all() -> None:
+        nonlocal token
+        for pos in range(prompt_len, cache_len):
+            token = step(token, pos).argmax(-1)
+
+    times = []
+    for _ in range(3):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            decode_all()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            decode_all()
+            times.append((time.perf_counter() - t0) * 1e3)
+    ms_per_step = sorted(times)[1] / decode_steps
+    row: dict[str, object] = {
+        "model": model.args.name,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "ms_per_token": ms_per_step,
+        "tokens_per_s": batch * 1e3 / ms_per_step,
+    }
+    if device.type == "cuda":
+        bandwidth = memory_bandwidth(device)
+        roofline_ms = decode_bytes_per_step(model, batch, cache_len) / bandwidth * 1e3
+        row.update(
+            {
+                "roofline_ms": roofline_ms,
+                "roofline_tokens_per_s": batch * 1e3 / roofline_ms,
+                "of_roofline": roofline_ms / ms_per_step,
+                "bandwidth_TBps": bandwidth / 1e12,
+            }
+        )
+    model.clear_caches()
+    return row
+
+
+def run(cfg: ServeConfig, run_dir: Path) -> None:
+    device = resolve_device(cfg.device)
+    distributed.validate_parallel(cfg.parallel, distributed.world_size(), device)
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+    dtype = DTYPES[cfg.dtype]
+    if cfg.mode not in ("bench", "generate"):
+        raise ValueError(f"mode={cfg.mode!r} is not one of bench, generate")
+    torch.manual_seed(cfg.seed)
+    checkpoint, args = resolve_init_weights(cfg.checkpoint, OmegaConf.to_object(cfg.model))
+    model = build_model(args, checkpoint, device, dtype)
+    is_main = distributed.rank() == 0
+
+    if cfg.mode == "generate":
+        tokenizer = load_tokenizer(tokenizer_dir(checkpoint))
+        ids = tokenizer.encode(cfg.prompt, bos=True)
+        if len(ids) + cfg.max_new_tokens > args.max_seq_len:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens={cfg.max_new_tokens} exceeds model.max_seq_len="
+                f"{args.max_seq_len}: shorten the prompt or lower max_new_tokens"
+            )
+        prompt = torch.tensor([ids], device=device)
+        new = generate(
+            model, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, tokenizer.eos_id, cfg.cuda_graphs
+        )
+        if is_main:
+            print(cfg.prompt + tokenizer.decode(new[0].tolist()))
+        return
+
+    if cfg.prompt_len + cfg.decode_steps > args.max_seq_len:
+        raise ValueError(
+            f"prompt_len + decode_steps = {cfg.prompt_len + cfg.decode_steps} exceeds model.max_seq_len="
+            f"{args.max_seq_len}: lower them"
+        )
+    row = benchmark_decode(model, cfg.batch_size, cfg.prompt_len, cfg.decode_steps, cfg.cuda_graphs, device)
+    if is_main:
+        table = markdown_table([row])
+        print(table)
+        (run_dir / "bench.json").write_text(json.dumps({**environment(), "rows": [row]}, indent=2))
+        (run_dir / "bench.md").write_text(table)
+
+
+@hydra.main(version_base=None, config_path="configs", config_name="serve")
+def main(cfg: ServeConfig) -> None:
+    run(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+if __name__ == "__main__":
+    distributed.init_distributed()
+    register_configs()
+    register_resolvers()
+    sys.argv += distributed.hydra_overrides_for_rank()
+    try:
+        main()
+    finally:
+        distributed.shutdown()

@@ -1,0 +1,273 @@
+"""Train a Llama-style model.
+
+    python train.py                                   # debug model on the built-in corpus
+    python train.py model=llama3_8b training.steps=100
+    torchrun --nproc_per_node=2 train.py              # data parallel (gloo on CPU, NCCL on GPU)
+    python train.py hydra.run.dir=runs/mine           # run again with the same dir: resumes
+
+Every key is listed, typed and documented in configs/schema.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+import torch
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from configs.schema import TrainConfig, register_configs, register_resolvers
+from model.args import ModelArgs
+from model.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from model.data import build_dataset, load_text
+from model.hf import export_hf
+from model.llama import Llama
+from model.loading import load_weights_into, resolve_init_weights, tokenizer_dir
+from model.tokenizer import load_tokenizer, save_tokenizer
+from parallel import distributed
+
+# Dense bf16 tensor-core peaks (FLOP/s), for MFU.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda but no CUDA GPU is visible: use device=cpu or device=auto")
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"device={name!r} is not one of auto, cpu, cuda")
+    if name == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(name)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for chip, flops in PEAK_BF16_FLOPS.items() if chip in name), None)
+
+
+def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warm-up to 1, then cosine decay to min_ratio at the last step."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not norms)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.training.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    t = cfg.training
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=device.type == "cuda")
+
+
+@dataclass
+class StepStats:
+    loss: float
+    grad_norm: float
+    tokens: int
+    seconds: float
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    dataset,
+    cfg: TrainConfig,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None,
+) -> StepStats:
+    start = time.perf_counter()
+    t = cfg.training
+    total_loss = torch.zeros((), device=device)
+    for micro in range(t.grad_accum):
+        inputs, targets = (x.to(device, non_blocking=True) for x in dataset.next_batch())
+        # Only the last micro-batch all-reduces gradients under DDP.
+        sync = micro == t.grad_accum - 1 or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        context = model.no_sync() if not sync else torch.enable_grad()
+        with context, torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            logits = model(inputs)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            (loss / t.grad_accum).backward()
+        total_loss += loss.detach() / t.grad_accum
+    if dist.is_initialized():
+        dist.all_reduce(total_loss, op=dist.ReduceOp.AVG)
+    loss_value = total_loss.item()
+    if not math.isfinite(loss_value):
+        raise NonFiniteLoss(loss_value)
+    clip = t.grad_clip if t.grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    tokens = t.batch_size * t.seq_len * t.grad_accum * distributed.world_size()
+    return StepStats(loss_value, grad_norm, tokens, time.perf_counter() - start)
+
+
+def run(cfg: TrainConfig, run_dir: Path) -> None:
+    device = resolve_device(cfg.device)
+    args: ModelArgs = OmegaConf.to_object(cfg.model)
+    t = cfg.training
+    world, rank = distributed.world_size(), distributed.rank()
+    distributed.validate_parallel(cfg.parallel, world, device)
+    if t.steps <= 0 or t.batch_size <= 0 or t.grad_accum <= 0:
+        raise ValueError("training.steps, training.batch_size and training.grad_accum must be > 0")
+    if t.seq_len > args.max_seq_len:
+        raise ValueError(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={args.max_seq_len}")
+    torch.manual_seed(t.seed)
+
+    init_path, args = resolve_init_weights(cfg.checkpoint.init_from, args)
+    tokenizer = load_tokenizer(tokenizer_dir(init_path))
+    if tokenizer.vocab_size > args.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size={args.vocab_size}: "
+            "raise model.vocab_size"
+        )
+    dataset = build_dataset(
+        load_text(cfg.data.path, jsonl_field=cfg.data.jsonl_field),
+        tokenizer,
+        seq_len=t.seq_len,
+        batch_size=t.batch_size,
+        rank=rank,
+        world_size=world,
+        seed=t.seed,
+    )
+
+    with torch.device("meta"):
+        model = Llama(args)
+    model.to_empty(device=device)
+    model.init_weights()
+    if init_path is not None:
+        load_weights_into(model, init_path)
+    optimizer = build_optimizer(model, cfg, device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, t.warmup_steps, t.steps, t.min_lr_ratio)
+    )
+
+    start_step = 0
+    resume_from = latest_checkpoint(run_dir)
+    if resume_from is not None:
+        meta = load_checkpoint(resume_from, model, optimizer, scheduler)
+        dataset.load_state_dict(meta["data"])
+        start_step = meta["step"]
+    if start_step >= t.steps:
+        if rank == 0:
+            print(f"{run_dir} already holds step {start_step} >= training.steps={t.steps}: nothing to do")
+        return
+
+    train_model: torch.nn.Module = model
+    if world > 1:
+        train_model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+    if t.compile:
+        train_model = torch.compile(train_model)
+    autocast_dtype = getattr(torch, t.dtype) if device.type == "cuda" and t.dtype != "float32" else None
+
+    if rank == 0:
+        save_tokenizer(tokenizer, run_dir)
+        if resume_from is not None:
+            print(f"resuming from {resume_from} (step {start_step})")
+        print(f"model {args.name}: {args.num_params() / 1e6:.1f}M parameters on {device} x{world}")
+
+    flops_per_token = args.training_flops_per_token(t.seq_len)
+    peak = peak_flops(device)
+    metrics_file = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115
+    bar = tqdm(
+        total=t.steps,
+        initial=start_step,
+        disable=rank != 0 or not cfg.logging.progress_bar,
+        dynamic_ncols=True,
+    )
+    last_saved = start_step
+    step = start_step
+    try:
+        for step in range(start_step + 1, t.steps + 1):
+            try:
+                stats = train_step(train_model, optimizer, scheduler, dataset, cfg, device, autocast_dtype)
+            except NonFiniteLoss as err:
+                raise SystemExit(
+                    f"loss became {err.args[0]} at step {step}: stopping. The last good checkpoint (step "
+                    f"{last_saved}) is kept in {run_dir / 'checkpoints'}; lower training.lr or check the data"
+                ) from None
+            record = {
+                "step": step,
+                "loss": round(stats.loss, 5),
+                "lr": scheduler.get_last_lr()[0],
+                "grad_norm": round(stats.grad_norm, 4),
+                "tokens_per_s": round(stats.tokens / stats.seconds, 1),
+            }
+            if device.type == "cuda":
+                record["memory_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+                if peak is not None:
+                    record["mfu"] = round(stats.tokens / world * flops_per_token / stats.seconds / peak, 4)
+            bar.update(1)
+            bar.set_postfix(
+                {k: v for k, v in record.items() if k in ("loss", "tokens_per_s", "memory_gb", "mfu")}
+            )
+            if metrics_file is not None and (step % cfg.logging.every == 0 or step == t.steps):
+                metrics_file.write(json.dumps(record) + "\n")
+                metrics_file.flush()
+            every = cfg.checkpoint.every
+            if step == t.steps or step == t.stop_at or (every > 0 and step % every == 0):
+                # Data parallel keeps identical weights and optimizer state on every rank: rank 0 saves.
+                if rank == 0:
+                    save_checkpoint(
+                        run_dir,
+                        step,
+                        model,
+                        optimizer,
+                        scheduler,
+                        dataset.state_dict(),
+                        keep=cfg.checkpoint.keep,
+                    )
+                if dist.is_initialized():
+                    dist.barrier()
+                last_saved = step
+            if step == t.stop_at:
+                break
+    finally:
+        bar.close()
+        if metrics_file is not None:
+            metrics_file.close()
+    if rank == 0:
+        print(f"stopped at step {step}, last loss {stats.loss:.4f}; run directory {run_dir}")
+        if cfg.checkpoint.export_hf and step == t.steps:
+            out = export_hf(model, args, run_dir / "hf", tokenizer=tokenizer, overwrite=True)
+            print(f"exported a Hugging Face model to {out}")
+
+
+@hydra.main(version_base=None, config_path="configs", config_name="train")
+def main(cfg: TrainConfig) -> None:
+    run(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+if __name__ == "__main__":
+    distributed.init_distributed()
+    register_configs()
+    register_resolvers()
+    sys.argv += distributed.hydra_overrides_for_rank()
+    try:
+        main()
+    finally:
+        distributed.shutdown()
