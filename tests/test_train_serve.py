@@ -1,0 +1,105 @@
+"""End to end on CPU: train.py trains, checkpoints and resumes exactly; torchrun data parallel runs;
+serve.py benchmarks and generates from the trained checkpoint; bad configs fail fast."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# A tiny model and corpus slice so each run takes seconds.
+TINY = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "model.ffn_hidden=128",
+    "training.batch_size=4",
+    "training.seq_len=32",
+    "training.warmup_steps=2",
+    "logging.every=1",
+    "logging.progress_bar=false",
+]
+
+
+def run_script(script: str, *overrides: str, torchrun: int = 0) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={torchrun}", script]
+    else:
+        cmd = [sys.executable, script]
+    return subprocess.run(
+        cmd + list(overrides), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+def test_train_resume_then_serve(tmp_path: Path) -> None:
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    common = [*TINY, "training.steps=8", "checkpoint.every=0"]
+    done = run_script("train.py", *common, f"hydra.run.dir={straight}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    first = run_script("train.py", *common, "training.stop_at=4", f"hydra.run.dir={interrupted}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert max(losses(interrupted)) == 4
+    second = run_script("train.py", *common, "checkpoint.export_hf=true", f"hydra.run.dir={interrupted}")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resuming from" in second.stdout
+    assert losses(interrupted)[8] == losses(straight)[8]
+    assert (interrupted / "hf" / "config.json").is_file()
+
+    bench = run_script(
+        "serve.py",
+        "mode=bench",
+        f"checkpoint={interrupted}",
+        "batch_size=2",
+        "prompt_len=8",
+        "decode_steps=4",
+        f"hydra.run.dir={tmp_path / 'bench'}",
+    )
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    row = json.loads((tmp_path / "bench" / "bench.json").read_text())["rows"][0]
+    assert row["batch"] == 2 and row["tokens_per_s"] > 0
+
+    gen = run_script(
+        "serve.py",
+        "mode=generate",
+        f"checkpoint={interrupted}",
+        "prompt=def ",
+        "max_new_tokens=8",
+        f"hydra.run.dir={tmp_path / 'gen'}",
+    )
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    assert gen.stdout.strip().startswith("def ")
+
+
+def test_torchrun_data_parallel(tmp_path: Path) -> None:
+    done = run_script("train.py", *TINY, "training.steps=3", f"hydra.run.dir={tmp_path}", torchrun=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(losses(tmp_path)) == [1, 2, 3]
+    assert len(list((tmp_path / "checkpoints").glob("step_*"))) == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["training.bogus=1"], "bogus"),
+        (["model=llama9"], "llama9"),
+        (["model.n_kv_heads=3"], "n_kv_heads"),
+        (["training.seq_len=4096"], "max_seq_len"),
+        (["parallel.tp=2"], "parallel"),
+        (["data.path=/nonexistent/corpus.txt"], "/nonexistent/corpus.txt"),
+    ],
+)
+def test_bad_config_fails_fast(tmp_path: Path, overrides: list[str], message: str) -> None:
+    done = run_script("train.py", *TINY, *overrides, f"hydra.run.dir={tmp_path}")
+    assert done.returncode != 0
+    assert message in done.stderr + done.stdout
+    assert not (tmp_path / "checkpoints").exists()
