@@ -27,7 +27,7 @@ from tqdm import tqdm
 from configs.schema import TrainConfig, register_configs, register_resolvers
 from model.args import ModelArgs
 from model.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from model.data import build_dataset, load_text
+from model.data import build_dataset, load_documents
 from model.hf import export_hf
 from model.llama import Llama
 from model.loading import load_weights_into, resolve_init_weights, tokenizer_dir
@@ -144,7 +144,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
             "raise model.vocab_size"
         )
     dataset = build_dataset(
-        load_text(cfg.data.path, jsonl_field=cfg.data.jsonl_field),
+        load_documents(cfg.data.path, cfg.data.jsonl_field),
         tokenizer,
         seq_len=t.seq_len,
         batch_size=t.batch_size,

@@ -1,0 +1,193 @@
+"""weft's checkpoint format: a directory per step, weights and optimizer tensors in safetensors (no
+pickle), everything else in JSON. Written under a temporary name and renamed into place, so a crash
+mid-save never touches the last complete checkpoint.
+
+    <run dir>/checkpoints/step_00000100/
+        model.safetensors        the model's state dict (a tied output weight stored once)
+        train_state.safetensors  optimizer tensors and RNG states
+        meta.json                step, model args, data position, scheduler, optimizer hyper-parameters
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from model.args import ModelArgs, RopeScaling
+
+FORMAT_VERSION = 1
+STEP_PREFIX = "step_"
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (temporary directories of a save in progress or
+    interrupted are ignored)."""
+    root = checkpoint_dir(run_dir)
+    if not root.is_dir():
+        return []
+    done = [
+        p for p in root.iterdir() if p.name.startswith(STEP_PREFIX) and p.name[len(STEP_PREFIX) :].isdigit()
+    ]
+    return sorted(done, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    state = model.state_dict()
+    if getattr(model, "args", None) is not None and model.args.tie_embeddings:
+        state.pop("output.weight", None)
+    return {k: v.detach().contiguous() for k, v in state.items()}
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split an optimizer state dict into tensors (for safetensors) and plain values (for JSON)."""
+    state = optimizer.state_dict()
+    tensors, plain = {}, {}
+    for index, values in state["state"].items():
+        for name, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optim.{index}.{name}"] = value.contiguous()
+            else:
+                plain[f"{index}.{name}"] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": plain}
+
+
+def rng_tensors() -> dict[str, torch.Tensor]:
+    tensors = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    return tensors
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    data_state: dict[str, Any] | None = None,
+    keep: int = 2,
+) -> Path:
+    """Write the checkpoint of `step` atomically and keep only the newest `keep` ones."""
+    root = checkpoint_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{STEP_PREFIX}{step:08d}"
+    tmp = root / f"{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file(model_state(model), str(tmp / "model.safetensors"))
+    train_tensors = rng_tensors()
+    meta: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "model_args": dataclasses.asdict(model.args) if hasattr(model, "args") else None,
+        "data": data_state,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "python_rng": random.getstate(),
+    }
+    if optimizer is not None:
+        tensors, meta["optimizer"] = optimizer_tensors(optimizer)
+        train_tensors.update(tensors)
+    save_file(train_tensors, str(tmp / "train_state.safetensors"))
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    for file in tmp.iterdir():
+        with open(file, "rb") as handle:
+            os.fsync(handle.fileno())
+    if final.exists():  # re-saving the same step: move the old one aside only once the new one is complete
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    meta_file = Path(path) / "meta.json"
+    if not meta_file.is_file():
+        raise FileNotFoundError(f"{path} is not a weft checkpoint (no meta.json)")
+    return json.loads(meta_file.read_text())
+
+
+def read_model_args(path: str | Path) -> ModelArgs:
+    raw = read_meta(path)["model_args"]
+    if raw is None:
+        raise ValueError(f"{path}/meta.json records no model args")
+    scaling = raw.pop("rope_scaling", None)
+    return ModelArgs(**raw, rope_scaling=RopeScaling(**scaling) if scaling else None)
+
+
+def load_model_state(path: str | Path) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+def _check_model_args(path: Path, saved: dict[str, Any] | None, model: torch.nn.Module) -> None:
+    if saved is None or not hasattr(model, "args"):
+        return
+    current = dataclasses.asdict(model.args)
+    differ = [k for k in saved if k not in ("name", "fp8") and current.get(k) != saved[k]]
+    if differ:
+        detail = ", ".join(f"{k}: saved {saved[k]} vs configured {current.get(k)}" for k in differ[:4])
+        raise ValueError(
+            f"checkpoint {path} was saved for another model shape ({detail}): use its model preset"
+        )
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+) -> dict[str, Any]:
+    """Restore model, optimizer, scheduler and RNG from `path`; returns meta.json's contents."""
+    from model.loading import load_weights_into
+
+    path = Path(path)
+    meta = read_meta(path)
+    _check_model_args(path, meta.get("model_args"), model)
+    load_weights_into(model, path)
+    train = load_file(str(path / "train_state.safetensors"))
+    if optimizer is not None:
+        if "optimizer" not in meta:
+            raise ValueError(f"checkpoint {path} holds no optimizer state: it cannot resume training")
+        saved = meta["optimizer"]
+        state: dict[int, dict[str, Any]] = {}
+        for key, tensor in train.items():
+            if key.startswith("optim."):
+                _, index, name = key.split(".", 2)
+                state.setdefault(int(index), {})[name] = tensor
+        for key, value in saved["scalars"].items():
+            index, name = key.split(".", 1)
+            state.setdefault(int(index), {})[name] = value
+        optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+    if scheduler is not None and meta.get("scheduler") is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    torch.set_rng_state(train["rng.torch"])
+    if "rng.cuda" in train and torch.cuda.is_available():
+        torch.cuda.set_rng_state(train["rng.cuda"])
+    random.setstate((meta["python_rng"][0], tuple(meta["python_rng"][1]), meta["python_rng"][2]))
+    return meta

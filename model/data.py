@@ -1,0 +1,115 @@
+"""Training text -> packed fixed-length token windows, sharded deterministically across ranks, with
+a position that a checkpoint saves for an exact resume."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from model.tokenizer import Tokenizer
+
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text"}
+
+
+def default_corpus() -> list[str]:
+    """Python's own documentation topics: about 465 KB of English and code shipped with every Python."""
+    from pydoc_data.topics import topics
+
+    return [topics[key] for key in sorted(topics)]
+
+
+def read_documents(path: Path, jsonl_field: str) -> list[str]:
+    if path.suffix == ".jsonl":
+        documents = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if not isinstance(record, dict) or jsonl_field not in record:
+                raise ValueError(f"{path}:{number} has no field {jsonl_field!r}: set data.jsonl_field")
+            documents.append(str(record[jsonl_field]))
+        return documents
+    return [path.read_text(encoding="utf-8", errors="replace")]
+
+
+def load_documents(path: str | None, jsonl_field: str = "text") -> list[str]:
+    """Documents of the corpus: the default one (path None), a text or .jsonl file, or a directory
+    of such files (read in sorted order)."""
+    if path is None:
+        return default_corpus()
+    root = Path(path)
+    if root.is_dir():
+        files = sorted(p for p in root.rglob("*") if p.is_file() and (p.suffix in TEXT_SUFFIXES | {".jsonl"}))
+        if not files:
+            raise FileNotFoundError(f"data.path={path} holds no .txt/.md/.jsonl files")
+        return [doc for file in files for doc in read_documents(file, jsonl_field)]
+    if not root.is_file():
+        raise FileNotFoundError(f"data.path={path} does not exist: give a text/.jsonl file or a directory")
+    return read_documents(root, jsonl_field)
+
+
+def tokenize_corpus(documents: list[str], tokenizer: Tokenizer) -> torch.Tensor:
+    """One stream of token ids, each document starting with BOS and ending with EOS."""
+    ids: list[int] = []
+    for doc in documents:
+        ids.extend(tokenizer.encode(doc, bos=True, eos=True))
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+class PackedDataset:
+    """The token stream cut into windows of seq_len + 1 tokens (inputs and the targets one ahead).
+    Each epoch visits the windows in an order drawn from (seed, epoch); step i of rank r takes windows
+    [(i * world + r) * batch, ... + batch) of that order, so ranks never share a window."""
+
+    def __init__(
+        self, tokens: torch.Tensor, seq_len: int, batch_size: int, rank: int, world_size: int, seed: int
+    ):
+        self.windows = tokens[: (tokens.numel() - 1) // seq_len * seq_len + 1]
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.n_windows = (self.windows.numel() - 1) // seq_len
+        self.steps_per_epoch = self.n_windows // (batch_size * world_size)
+        if self.steps_per_epoch == 0:
+            needed = batch_size * world_size * seq_len + 1
+            raise ValueError(
+                f"the corpus has {tokens.numel()} tokens but one step over {world_size} rank(s) needs "
+                f"{needed}: use more data or a smaller training.batch_size / training.seq_len"
+            )
+        self.epoch, self.step = 0, 0
+        self._order = self._epoch_order()
+
+    def _epoch_order(self) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.n_windows, generator=generator)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.step == self.steps_per_epoch:
+            self.epoch, self.step = self.epoch + 1, 0
+            self._order = self._epoch_order()
+        first = (self.step * self.world_size + self.rank) * self.batch_size
+        starts = self._order[first : first + self.batch_size] * self.seq_len
+        offsets = torch.arange(self.seq_len + 1)
+        batch = self.windows[starts[:, None] + offsets[None, :]]
+        self.step += 1
+        return batch[:, :-1], batch[:, 1:]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "step": self.step}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        self._order = self._epoch_order()
+
+
+def build_dataset(
+    documents: list[str],
+    tokenizer: Tokenizer,
+    seq_len: int,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+) -> PackedDataset:
+    return PackedDataset(tokenize_corpus(documents, tokenizer), seq_len, batch_size, rank, world_size, seed)

@@ -1,0 +1,241 @@
+"""Hugging Face Llama directories: read (config.json, model.safetensors or a sharded index) into
+weft's names and rotary layout, and write a directory that `transformers` loads. No `transformers`
+import: only JSON and safetensors.
+
+Hugging Face stores each q/k projection with the rows of a head reordered for its rotate-half rotary
+embedding (first all even features, then all odd ones); weft rotates interleaved pairs as Meta's code
+does, so q/k rows are permuted back at load and forward at export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from model.args import ModelArgs, RopeScaling
+from model.tokenizer import HFTokenizer, Tokenizer, save_tokenizer
+
+LAYER_NAMES = {
+    "self_attn.q_proj": "attention.wq",
+    "self_attn.k_proj": "attention.wk",
+    "self_attn.v_proj": "attention.wv",
+    "self_attn.o_proj": "attention.wo",
+    "mlp.gate_proj": "feed_forward.w1",
+    "mlp.up_proj": "feed_forward.w3",
+    "mlp.down_proj": "feed_forward.w2",
+    "input_layernorm": "attention_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+TOP_NAMES = {"model.embed_tokens": "tok_embeddings", "model.norm": "norm", "lm_head": "output"}
+
+
+def is_hf_checkpoint(path: str | Path) -> bool:
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    cfg = json.loads(config.read_text())
+    return cfg.get("model_type") == "llama" or "LlamaForCausalLM" in cfg.get("architectures", [])
+
+
+def args_from_hf_config(cfg: dict) -> ModelArgs:
+    dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    if cfg.get("head_dim") not in (None, dim // heads):
+        raise ValueError(
+            f"head_dim {cfg['head_dim']} != hidden_size / num_attention_heads: weft cannot run this model"
+        )
+    scaling = None
+    raw = cfg.get("rope_scaling") or None
+    if raw is not None:
+        kind = raw.get("rope_type", raw.get("type"))
+        if kind == "llama3":
+            scaling = RopeScaling(
+                factor=raw["factor"],
+                low_freq_factor=raw["low_freq_factor"],
+                high_freq_factor=raw["high_freq_factor"],
+                original_max_position=raw["original_max_position_embeddings"],
+            )
+        elif kind != "default":
+            raise ValueError(f"rope_scaling type {kind!r} is not supported (weft knows llama3 scaling)")
+    return ModelArgs(
+        name=cfg.get("_name_or_path") or "hf",
+        dim=dim,
+        n_layers=cfg["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or heads,
+        vocab_size=cfg["vocab_size"],
+        ffn_hidden=cfg["intermediate_size"],
+        norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        rope_scaling=scaling,
+        max_seq_len=cfg.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
+def rotate_half_to_interleaved(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of each head from [evens..., odds...] (HF) to [e0, o0, e1, o1, ...] (weft)."""
+    rows, cols = weight.shape
+    return weight.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def interleaved_to_rotate_half(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    rows, cols = weight.shape
+    return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not (path / name).is_file():
+            raise FileNotFoundError(
+                f"{path / name}, listed in the index, is missing: re-download the checkpoint"
+            )
+        state.update(load_file(str(path / name)))
+    return state
+
+
+def load_hf_checkpoint(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """(model args, weft state dict) of a Hugging Face Llama directory."""
+    path = Path(path)
+    args = args_from_hf_config(json.loads((path / "config.json").read_text()))
+    state = {}
+    for hf_name, tensor in read_safetensors(path).items():
+        if hf_name.endswith("rotary_emb.inv_freq"):
+            continue
+        state[weft_name(hf_name)] = tensor
+    for i in range(args.n_layers):
+        q, k = f"layers.{i}.attention.wq.weight", f"layers.{i}.attention.wk.weight"
+        if q in state and k in state:
+            state[q] = rotate_half_to_interleaved(state[q], args.n_heads)
+            state[k] = rotate_half_to_interleaved(state[k], args.n_kv_heads)
+    if args.tie_embeddings:
+        state.pop("output.weight", None)
+    return args, state
+
+
+def weft_name(hf_name: str) -> str:
+    stem, _, suffix = hf_name.rpartition(".")
+    if stem in TOP_NAMES:
+        return f"{TOP_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) >= 4 and parts[:2] == ["model", "layers"]:
+        inner = ".".join(parts[3:])
+        if inner in LAYER_NAMES:
+            return f"layers.{parts[2]}.{LAYER_NAMES[inner]}.{suffix}"
+    raise ValueError(f"unexpected tensor {hf_name!r} in a Llama checkpoint: is this a Llama model?")
+
+
+def hf_name(name: str) -> str:
+    stem, _, suffix = name.rpartition(".")
+    for hf, ours in TOP_NAMES.items():
+        if stem == ours:
+            return f"{hf}.{suffix}"
+    _, index, inner = stem.split(".", 2)
+    hf_inner = next(hf for hf, ours in LAYER_NAMES.items() if ours == inner)
+    return f"model.layers.{index}.{hf_inner}.{suffix}"
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype, tokenizer: Tokenizer | None) -> dict:
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": args.dim,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads,
+        "head_dim": args.head_dim,
+        "intermediate_size": args.ffn_hidden,
+        "vocab_size": args.vocab_size,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "max_position_embeddings": args.max_seq_len,
+        "tie_word_embeddings": args.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+    if args.rope_scaling is not None:
+        config["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": args.rope_scaling.factor,
+            "low_freq_factor": args.rope_scaling.low_freq_factor,
+            "high_freq_factor": args.rope_scaling.high_freq_factor,
+            "original_max_position_embeddings": args.rope_scaling.original_max_position,
+        }
+    if tokenizer is not None:
+        config["bos_token_id"], config["eos_token_id"] = tokenizer.bos_id, tokenizer.eos_id
+    return config
+
+
+def export_hf(
+    model: torch.nn.Module,
+    args: ModelArgs,
+    out_dir: str | Path,
+    tokenizer: Tokenizer | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = 5 * 10**9,
+    overwrite: bool = False,
+) -> Path:
+    """Write `model` as a Hugging Face Llama directory (atomically: a temporary directory renamed)."""
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(
+            f"{out} exists and is not empty: choose another directory or pass overwrite=True"
+        )
+    state = {k: v for k, v in model.state_dict().items()}
+    if args.tie_embeddings:
+        state.pop("output.weight", None)
+    tensors = {}
+    for name, tensor in state.items():
+        if name.endswith("attention.wq.weight"):
+            tensor = interleaved_to_rotate_half(tensor, args.n_heads)
+        elif name.endswith("attention.wk.weight"):
+            tensor = interleaved_to_rotate_half(tensor, args.n_kv_heads)
+        tensors[hf_name(name)] = tensor.detach().to("cpu", dtype).contiguous()
+
+    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, start=1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(tmp / file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(shard, file))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config = hf_config(args, dtype, tokenizer)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    if isinstance(tokenizer, HFTokenizer):
+        save_tokenizer(tokenizer, tmp)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
