@@ -48,10 +48,12 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         raise ValueError(
             f"head_dim {cfg['head_dim']} != hidden_size / num_attention_heads: weft cannot run this model"
         )
+    # transformers 4 writes rope_theta and rope_scaling; transformers 5 one rope_parameters dict.
+    raw = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    theta = cfg.get("rope_theta", raw.get("rope_theta", 10000.0))
     scaling = None
-    raw = cfg.get("rope_scaling") or None
-    if raw is not None:
-        kind = raw.get("rope_type", raw.get("type"))
+    if raw:
+        kind = raw.get("rope_type", raw.get("type", "default"))
         if kind == "llama3":
             scaling = RopeScaling(
                 factor=raw["factor"],
@@ -70,7 +72,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         vocab_size=cfg["vocab_size"],
         ffn_hidden=cfg["intermediate_size"],
         norm_eps=cfg.get("rms_norm_eps", 1e-5),
-        rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+        rope_theta=theta,
         rope_scaling=scaling,
         max_seq_len=cfg.get("max_position_embeddings", 2048),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
