@@ -38,7 +38,9 @@ def build_model(args: ModelArgs, checkpoint: Path | None, device: torch.device, 
     """The model in `dtype` on `device`: a checkpoint's weights, or random ones of the preset."""
     with torch.device("meta"):
         model = Llama(args)
-    model.to_empty(device=device)
+    # Materialise directly in the serving dtype (an 8B model in fp32 would need twice the memory);
+    # init_weights() then rebuilds the rotary table in fp32.
+    model.to_empty(device=device).to(dtype)
     model.init_weights()
     if checkpoint is not None:
         load_weights_into(model, checkpoint)
@@ -46,7 +48,7 @@ def build_model(args: ModelArgs, checkpoint: Path | None, device: torch.device, 
         raise ValueError(
             "model.fp8=true needs weft's FP8 decode kernels, which this build lacks: use model.fp8=false"
         )
-    return model.to(dtype).eval()
+    return model.eval()
 
 
 def memory_bandwidth(device: torch.device) -> float:

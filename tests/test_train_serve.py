@@ -23,10 +23,12 @@ TINY = [
     "logging.every=1",
     "logging.progress_bar=false",
 ]
+CPU = "device=cpu"  # exact resume is promised for deterministic CPU math
 
 
 def run_script(script: str, *overrides: str, torchrun: int = 0) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={torchrun}", script]
     else:
@@ -43,7 +45,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def test_train_resume_then_serve(tmp_path: Path) -> None:
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
-    common = [*TINY, "training.steps=8", "checkpoint.every=0"]
+    common = [*TINY, CPU, "training.steps=8", "checkpoint.every=0"]
     done = run_script("train.py", *common, f"hydra.run.dir={straight}")
     assert done.returncode == 0, done.stderr[-3000:]
     first = run_script("train.py", *common, "training.stop_at=4", f"hydra.run.dir={interrupted}")
@@ -59,6 +61,7 @@ def test_train_resume_then_serve(tmp_path: Path) -> None:
         "serve.py",
         "mode=bench",
         f"checkpoint={interrupted}",
+        CPU,
         "batch_size=2",
         "prompt_len=8",
         "decode_steps=4",
@@ -72,6 +75,7 @@ def test_train_resume_then_serve(tmp_path: Path) -> None:
         "serve.py",
         "mode=generate",
         f"checkpoint={interrupted}",
+        CPU,
         "prompt=def",
         "max_new_tokens=8",
         f"hydra.run.dir={tmp_path / 'gen'}",
@@ -81,7 +85,7 @@ def test_train_resume_then_serve(tmp_path: Path) -> None:
 
 
 def test_torchrun_data_parallel(tmp_path: Path) -> None:
-    done = run_script("train.py", *TINY, "training.steps=3", f"hydra.run.dir={tmp_path}", torchrun=2)
+    done = run_script("train.py", *TINY, CPU, "training.steps=3", f"hydra.run.dir={tmp_path}", torchrun=2)
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(losses(tmp_path)) == [1, 2, 3]
     assert len(list((tmp_path / "checkpoints").glob("step_*"))) == 1
@@ -103,3 +107,25 @@ def test_bad_config_fails_fast(tmp_path: Path, overrides: list[str], message: st
     assert done.returncode != 0
     assert message in done.stderr + done.stdout
     assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.gpu
+def test_gpu_train_then_graphed_decode(tmp_path: Path) -> None:
+    done = run_script("train.py", *TINY, "training.steps=3", f"hydra.run.dir={tmp_path / 'run'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "mfu" in (tmp_path / "run" / "metrics.jsonl").read_text()
+    eager, graphed = (
+        run_script(
+            "serve.py",
+            "mode=generate",
+            f"checkpoint={tmp_path / 'run'}",
+            "prompt=def",
+            "max_new_tokens=16",
+            "dtype=float32",
+            f"cuda_graphs={flag}",
+            f"hydra.run.dir={tmp_path / flag}",
+        )
+        for flag in ("false", "true")
+    )
+    assert eager.returncode == 0 and graphed.returncode == 0, eager.stderr[-2000:] + graphed.stderr[-2000:]
+    assert eager.stdout == graphed.stdout
