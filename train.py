@@ -39,15 +39,18 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device=cuda but no CUDA GPU is visible: use device=cpu or device=auto")
-    if name not in ("cpu", "cuda"):
+    """auto | cpu | cuda -> this rank's device (under torchrun, its own GPU when there is one per rank)."""
+    if name not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device={name!r} is not one of auto, cpu, cuda")
-    if name == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(name)
+    has_gpu = torch.cuda.is_available() and not (dist.is_initialized() and dist.get_backend() == "gloo")
+    if name == "auto":
+        name = "cuda" if has_gpu else "cpu"
+    if name == "cuda" and not has_gpu:
+        raise ValueError(
+            f"device=cuda but this process has no GPU of its own ({torch.cuda.device_count()} visible): "
+            "use device=cpu, or no more ranks per node than GPUs"
+        )
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device("cpu")
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -225,7 +228,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
             bar.set_postfix(
                 {k: v for k, v in record.items() if k in ("loss", "tokens_per_s", "memory_gb", "mfu")}
             )
-            if metrics_file is not None and (step % cfg.logging.every == 0 or step == t.steps):
+            if metrics_file is not None and (step % cfg.logging.every == 0 or step in (1, t.steps)):
                 metrics_file.write(json.dumps(record) + "\n")
                 metrics_file.flush()
             every = cfg.checkpoint.every

@@ -26,16 +26,12 @@ def init_distributed() -> None:
     where GPUs exist, NCCL for CUDA tensors, each rank on the GPU of its LOCAL_RANK."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        if local_rank >= torch.cuda.device_count():
-            raise RuntimeError(
-                f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible: "
-                "lower --nproc_per_node"
-            )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= torch.cuda.device_count():
         torch.cuda.set_device(local_rank)
         dist.init_process_group(backend="cpu:gloo,cuda:nccl", device_id=torch.device("cuda", local_rank))
     else:
+        # More ranks per node than GPUs (or none): CPU only, on every rank alike.
         dist.init_process_group(backend="gloo")
 
 
