@@ -145,6 +145,22 @@ def load_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     return load_file(str(Path(path) / "model.safetensors"))
 
 
+def copy_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Copy `state` into the model's tensors, after checking that names and shapes match exactly."""
+    own = model_state(model)
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
+    if missing or unexpected or wrong:
+        problems = (("missing", missing), ("unexpected", unexpected), ("mis-shaped", wrong))
+        details = "; ".join(f"{label}: {', '.join(names[:4])}" for label, names in problems if names)
+        raise ValueError(f"checkpoint {source} does not fit the model ({details}): check the model preset")
+    targets = model.state_dict()
+    with torch.no_grad():
+        for name in own:
+            targets[name].copy_(state[name])
+
+
 def _check_model_args(path: Path, saved: dict[str, Any] | None, model: torch.nn.Module) -> None:
     if saved is None or not hasattr(model, "args"):
         return
@@ -164,12 +180,10 @@ def load_checkpoint(
     scheduler: Any = None,
 ) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and RNG from `path`; returns meta.json's contents."""
-    from model.loading import load_weights_into
-
     path = Path(path)
     meta = read_meta(path)
     _check_model_args(path, meta.get("model_args"), model)
-    load_weights_into(model, path)
+    copy_state_into(model, load_model_state(path), source=str(path))
     train = load_file(str(path / "train_state.safetensors"))
     if optimizer is not None:
         if "optimizer" not in meta:

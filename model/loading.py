@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from model.args import ModelArgs
-from model.checkpoint import latest_checkpoint, load_model_state, read_model_args
+from model.checkpoint import copy_state_into, latest_checkpoint, load_model_state, read_model_args
 from model.hf import args_from_hf_config, is_hf_checkpoint, load_hf_checkpoint
 
 
@@ -51,24 +51,7 @@ def resolve_init_weights(init_from: str | None, args: ModelArgs) -> tuple[Path |
 def load_weights_into(model: torch.nn.Module, path: Path) -> None:
     """Copy a checkpoint's weights into `model` (already materialised on its device and dtype)."""
     state = load_hf_checkpoint(path)[1] if is_hf_checkpoint(path) else load_model_state(path)
-    own = model.state_dict()
-    if getattr(model, "args", None) is not None and model.args.tie_embeddings:
-        own.pop("output.weight", None)
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
-    if missing or unexpected or wrong:
-        details = [
-            f"{label}: {', '.join(names[:4])}"
-            for label, names in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", wrong))
-            if names
-        ]
-        raise ValueError(
-            f"checkpoint {path} does not fit the model ({'; '.join(details)}): check the model preset"
-        )
-    with torch.no_grad():
-        for name, tensor in own.items():
-            tensor.copy_(state[name])
+    copy_state_into(model, state, source=str(path))
 
 
 def tokenizer_dir(checkpoint: Path | None) -> Path | None:
