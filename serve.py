@@ -80,13 +80,19 @@ def decode_bytes_per_step(model: Llama, batch: int, cache_len: int) -> int:
 
 @torch.no_grad()
 def benchmark_decode(
-    model: Llama, batch: int, prompt_len: int, decode_steps: int, cuda_graphs: bool, device: torch.device
+    model: Llama,
+    batch: int,
+    prompt_len: int,
+    decode_steps: int,
+    cuda_graphs: bool,
+    device: torch.device,
+    compile: bool = False,
 ) -> dict[str, object]:
     """Prefill a random prompt, then time `decode_steps` decode steps (median over repeats)."""
     cache_len = prompt_len + decode_steps
     model.setup_caches(batch, cache_len)
     prompt = torch.randint(0, model.args.vocab_size, (batch, prompt_len), device=device)
-    step = DecodeStep(model, batch, device, cuda_graphs)
+    step = DecodeStep(model, batch, device, cuda_graphs, compile)
     token = prefill(model, prompt).argmax(-1)
     step(token, prompt_len)  # compile / capture outside the timed region
 
@@ -113,6 +119,7 @@ def benchmark_decode(
     row: dict[str, object] = {
         "model": model.args.name,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "compiled": compile,
         "batch": batch,
         "prompt_len": prompt_len,
         "ms_per_token": ms_per_step,
@@ -156,7 +163,14 @@ def run(cfg: ServeConfig, run_dir: Path) -> None:
             )
         prompt = torch.tensor([ids], device=device)
         new = generate(
-            model, prompt, cfg.max_new_tokens, cfg.temperature, cfg.top_k, tokenizer.eos_id, cfg.cuda_graphs
+            model,
+            prompt,
+            cfg.max_new_tokens,
+            cfg.temperature,
+            cfg.top_k,
+            tokenizer.eos_id,
+            cfg.cuda_graphs,
+            cfg.compile,
         )
         if is_main:
             print(cfg.prompt + tokenizer.decode(new[0].tolist()))
@@ -167,7 +181,9 @@ def run(cfg: ServeConfig, run_dir: Path) -> None:
             f"prompt_len + decode_steps = {cfg.prompt_len + cfg.decode_steps} exceeds model.max_seq_len="
             f"{args.max_seq_len}: lower them"
         )
-    row = benchmark_decode(model, cfg.batch_size, cfg.prompt_len, cfg.decode_steps, cfg.cuda_graphs, device)
+    row = benchmark_decode(
+        model, cfg.batch_size, cfg.prompt_len, cfg.decode_steps, cfg.cuda_graphs, device, cfg.compile
+    )
     if is_main:
         table = markdown_table([row])
         print(table)

@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--decode-steps", type=int, default=128)
     parser.add_argument("--fp8", action="store_true", help="also run the FP8 decode path")
+    parser.add_argument("--compile", action="store_true", help="also time the torch.compile'd decode step")
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA GPU")
@@ -41,10 +42,13 @@ def main() -> None:
         args = OmegaConf.to_object(cfg.model)
         args.fp8 = fp8
         model = build_model(args, None, device, torch.bfloat16)
-        for batch in opts.batch_sizes:
-            row = benchmark_decode(model, batch, opts.prompt_len, opts.decode_steps, True, device)
-            rows.append({"fp8": fp8, **row})
-            print(rows[-1], flush=True)
+        for compile in [False, True] if opts.compile else [False]:
+            for batch in opts.batch_sizes:
+                row = benchmark_decode(
+                    model, batch, opts.prompt_len, opts.decode_steps, True, device, compile
+                )
+                rows.append({"fp8": fp8, **row})
+                print(rows[-1], flush=True)
         del model
         torch.cuda.empty_cache()
     write_results(

@@ -109,6 +109,8 @@ class ServeConfig:
     decode_steps: int = 64
     # Capture the decode step in a CUDA graph (GPU only).
     cuda_graphs: bool = True
+    # Fuse the decode step with torch.compile before capturing it.
+    compile: bool = False
     # Weights and activations dtype: bfloat16 | float16 | float32 (CPU runs float32 unless asked).
     dtype: str = "bfloat16"
     seed: int = 0

@@ -23,10 +23,12 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor
 class DecodeStep:
     """One decode step, logits [B, V] for tokens [B, 1] at position `pos`. On CUDA with
     `cuda_graph=True` the step is captured once into a graph over static buffers and replayed, so a
-    step costs one launch instead of hundreds."""
+    step costs one launch instead of hundreds; `compile=True` first fuses the step with torch.compile."""
 
-    def __init__(self, model: Llama, batch: int, device: torch.device, cuda_graph: bool) -> None:
-        self.model = model
+    def __init__(
+        self, model: Llama, batch: int, device: torch.device, cuda_graph: bool, compile: bool = False
+    ) -> None:
+        self.forward = torch.compile(model, dynamic=False, fullgraph=True) if compile else model
         self.use_graph = cuda_graph and device.type == "cuda"
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(1, dtype=torch.long, device=device)
@@ -34,7 +36,7 @@ class DecodeStep:
         self.logits: torch.Tensor | None = None
 
     def _run(self) -> torch.Tensor:
-        return self.model(self.tokens, self.pos)[:, -1]
+        return self.forward(self.tokens, self.pos)[:, -1]
 
     def _capture(self) -> None:
         stream = torch.cuda.Stream()
@@ -82,13 +84,14 @@ def generate(
     top_k: int = 0,
     eos_id: int | None = None,
     cuda_graph: bool = True,
+    compile: bool = False,
 ) -> torch.Tensor:
     """Complete prompt [B, S] by up to `max_new_tokens` tokens; returns only the new tokens
     [B, <= max_new_tokens] (stops early once every row has produced `eos_id`)."""
     check_tokens(prompt, model.args.vocab_size)
     batch, prompt_len = prompt.shape
     model.setup_caches(batch, prompt_len + max_new_tokens)
-    step = DecodeStep(model, batch, prompt.device, cuda_graph)
+    step = DecodeStep(model, batch, prompt.device, cuda_graph, compile)
     token = sample(prefill(model, prompt), temperature, top_k)
     out = [token]
     finished = token == eos_id if eos_id is not None else torch.zeros_like(token, dtype=torch.bool)

@@ -114,7 +114,7 @@ def test_gpu_train_then_graphed_decode(tmp_path: Path) -> None:
     done = run_script("train.py", *TINY, "training.steps=3", f"hydra.run.dir={tmp_path / 'run'}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "mfu" in (tmp_path / "run" / "metrics.jsonl").read_text()
-    eager, graphed = (
+    outputs = [
         run_script(
             "serve.py",
             "mode=generate",
@@ -122,10 +122,12 @@ def test_gpu_train_then_graphed_decode(tmp_path: Path) -> None:
             "prompt=def",
             "max_new_tokens=16",
             "dtype=float32",
-            f"cuda_graphs={flag}",
-            f"hydra.run.dir={tmp_path / flag}",
+            *flags,
+            f"hydra.run.dir={tmp_path / str(i)}",
         )
-        for flag in ("false", "true")
-    )
-    assert eager.returncode == 0 and graphed.returncode == 0, eager.stderr[-2000:] + graphed.stderr[-2000:]
-    assert eager.stdout == graphed.stdout
+        for i, flags in enumerate(
+            [["cuda_graphs=false"], ["cuda_graphs=true"], ["cuda_graphs=true", "compile=true"]]
+        )
+    ]
+    assert all(out.returncode == 0 for out in outputs), [out.stderr[-2000:] for out in outputs]
+    assert outputs[0].stdout == outputs[1].stdout == outputs[2].stdout
