@@ -26,3 +26,6 @@ def _seeded() -> None:
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# Without a GPU, Triton kernels run in Triton's interpreter; set before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,114 @@
+"""FP8 (e4m3) conventions shared by weft's FP8 kernels, their references, and a per-token quantize
+kernel.
+
+Scales follow one rule everywhere: `scale = amax / 448`, `q = clamp(x / scale, -448, 448)` cast to
+e4m3, and `x ≈ q * scale`. Activations get a scale per token (row) or one static scale; weights get a
+scale per output channel (row of the [N, K] weight) or one per tensor.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+# Triton 3.6's interpreter casts fp32 to bf16 by truncation and to fp8 without carrying a rounded-up
+# mantissa into the exponent (126.8 becomes 64): under it, kernels first snap values onto the target
+# grid (round to nearest) so that its cast is exact. Compiled kernels cast natively.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+MIN_SCALE = 1e-12
+
+
+@triton.jit
+def snap_to_e4m3(x):
+    """Round fp32 values (|x| <= 448) to the nearest e4m3 value, in fp32 arithmetic."""
+    a = tl.abs(x)
+    exponent = tl.floor(tl.log2(tl.maximum(a, 0.015625)))  # 2^-6: subnormals share its spacing
+    step = tl.exp2(exponent - 3.0)
+    snapped = tl.floor(a / step + 0.5) * step
+    return tl.where(x < 0, -snapped, snapped)
+
+
+@triton.jit
+def downcast(x, dtype: tl.constexpr, SNAP: tl.constexpr):
+    """fp32 -> `dtype`, rounding to nearest even (by bit arithmetic for bf16 when SNAP is set)."""
+    if SNAP and dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def to_fp8(y, inv_scale, SNAP: tl.constexpr):
+    """fp32 values times 1/scale, clamped to the e4m3 range, as e4m3."""
+    q = tl.clamp(y * inv_scale, -448.0, 448.0)
+    if SNAP:
+        q = snap_to_e4m3(q)
+    return q.to(tl.float8e4nv)
+
+
+def quantize_reference(
+    x: torch.Tensor, scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (e4m3 values, fp32 scales [...]): one scale per row, or the given static scale."""
+    xf = x.float()
+    if scale is None:
+        scale = (xf.abs().amax(dim=-1).clamp(min=MIN_SCALE * FP8_MAX) / FP8_MAX).float()
+        q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        return q, scale
+    return (xf / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.float()
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """e4m3 values [..., K] times their per-row [...] or per-tensor scale, in fp32."""
+    scale = scale.float()
+    return q.float() * (scale if scale.numel() == 1 else scale.unsqueeze(-1))
+
+
+def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear weight [N, K] -> e4m3 [N, K] and fp32 scales [N], one per output channel."""
+    return quantize_reference(weight)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, out_ptr, scale_ptr, K, stride_x, stride_o, BLOCK: tl.constexpr, SNAP: tl.constexpr
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12 * 448.0) / 448.0
+    tl.store(scale_ptr + row, scale)
+    tl.store(out_ptr + row * stride_o + cols, to_fp8(x, 1.0 / scale, SNAP), mask=mask)
+
+
+def row_launch(n_cols: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for kernels that keep one whole row in registers: 16 bytes per thread per
+    load at bf16, up to 32 warps."""
+    block = triton.next_power_of_2(n_cols)
+    if block > 65536:
+        raise ValueError(
+            f"rows of {n_cols} elements exceed the 65536 these FP8 row kernels hold in registers"
+        )
+    return block, max(1, min(32, block // 512))
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (bf16/fp16/fp32) -> e4m3 [M, K] and fp32 per-row scales [M]."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(
+            f"quantize_per_token takes a row-contiguous [M, K] tensor, got shape {tuple(x.shape)}"
+        )
+    out = torch.empty(x.shape, dtype=FP8, device=x.device)
+    scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    block, warps = row_launch(x.shape[1])
+    _quantize_rows_kernel[(x.shape[0],)](
+        x, out, scale, x.shape[1], x.stride(0), out.stride(0), BLOCK=block, SNAP=INTERPRETED, num_warps=warps
+    )
+    return out, scale

@@ -1,0 +1,232 @@
+"""Skinny FP8 GEMM for decode: out[M, N] = (A[M, K] * a_scale) @ (B[N, K] * b_scale)^T in bf16, for
+M <= 64 tokens, A and B in e4m3, A scaled per token (or per tensor), B per output channel (or per
+tensor).
+
+At decode M is tiny, so the time is the time to read B (N * K bytes) once. The grid spreads B over
+many programs: columns in tiles of BLOCK_N, and K in `split_k` slices so that even a narrow N keeps
+every SM streaming. Each program accumulates [BLOCK_M, BLOCK_N] in fp32 on the tensor cores (M padded
+to BLOCK_M >= 16 by masking). With split_k > 1 each slice writes its fp32 partial and a second kernel
+sums the slices in a fixed order: the result is deterministic, and no zero-fill or atomics are needed.
+
+Tile configs are tuned per (M bucket, N, K) on the GPU by `benchmarks/bench_fp8.py --tune` and kept in
+fp8_gemm_configs.json beside this file, so serving never autotunes; untuned shapes use a heuristic.
+Beyond M = 64 the work is no longer weight-bound and `torch._scaled_mm` takes over.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8 import FP8, INTERPRETED, downcast
+
+MAX_M = 64
+CONFIG_FILE = Path(__file__).with_name("fp8_gemm_configs.json")
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def m_bucket(m: int) -> int:
+    """BLOCK_M for M tokens: the tensor-core minimum of 16, else the next power of two."""
+    return max(16, triton.next_power_of_2(m))
+
+
+def heuristic_config(m: int, n: int, k: int, sm_count: int = 132) -> GemmConfig:
+    """Tiles of 64 columns x 256 of K; split K until there are about two programs per SM."""
+    block_n, block_k = 64, 256 if m_bucket(m) <= 32 else 128
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while tiles * split < 2 * sm_count and split * 2 * block_k <= k:
+        split *= 2
+    return GemmConfig(block_n, block_k, split)
+
+
+def _load_tuned() -> dict[str, GemmConfig]:
+    if not CONFIG_FILE.is_file():
+        return {}
+    return {key: GemmConfig(**value) for key, value in json.loads(CONFIG_FILE.read_text()).items()}
+
+
+TUNED = _load_tuned()
+
+
+def config_key(m: int, n: int, k: int) -> str:
+    return f"{m_bucket(m)},{n},{k}"
+
+
+def config_for(m: int, n: int, k: int) -> GemmConfig:
+    return TUNED.get(config_key(m, n, k)) or heuristic_config(m, n, k)
+
+
+def save_tuned(configs: dict[str, GemmConfig]) -> None:
+    CONFIG_FILE.write_text(json.dumps({k: asdict(v) for k, v in sorted(configs.items())}, indent=1) + "\n")
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    a_ptr,
+    b_ptr,
+    a_scale_ptr,
+    b_scale_ptr,
+    out_ptr,
+    partial_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_am,
+    stride_bn,
+    stride_om,
+    A_PER_TOKEN: tl.constexpr,
+    B_PER_CHANNEL: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SNAP: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * k_per_split + tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in range(0, tl.cdiv(k_per_split, BLOCK_K)):
+        in_k = offs_k[None, :] < K
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & in_k, other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_n[:, None] < N) & in_k, other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+        offs_k += BLOCK_K
+    if A_PER_TOKEN:
+        acc = acc * tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
+    else:
+        acc = acc * tl.load(a_scale_ptr)
+    if B_PER_CHANNEL:
+        acc = acc * tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
+    else:
+        acc = acc * tl.load(b_scale_ptr)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if tl.num_programs(1) == 1:
+        tl.store(
+            out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=mask,
+        )
+    else:
+        tl.store(partial_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(
+    partial_ptr, out_ptr, M, N, splits, stride_om, BLOCK: tl.constexpr, SNAP: tl.constexpr
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in range(splits):
+        acc += tl.load(partial_ptr + s * M * N + offs, mask=mask, other=0.0)
+    out = downcast(acc, out_ptr.dtype.element_ty, SNAP)
+    tl.store(out_ptr + (offs // N) * stride_om + offs % N, out, mask=mask)
+
+
+def _check(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> None:
+    if a.dtype != FP8 or b.dtype != FP8:
+        raise ValueError(f"fp8_gemm takes float8_e4m3fn operands, got {a.dtype} and {b.dtype}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"fp8_gemm needs A [M, K] and B [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("fp8_gemm needs A and B contiguous along K")
+    if a_scale.numel() not in (1, a.shape[0]) or b_scale.numel() not in (1, b.shape[0]):
+        raise ValueError(
+            f"scales must be per tensor (1) or per row: a_scale has {a_scale.numel()} for M={a.shape[0]}, "
+            f"b_scale has {b_scale.numel()} for N={b.shape[0]}"
+        )
+
+
+def skinny_fp8_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """The Triton kernel for M <= 64 (see the module docstring); `config` overrides the tuned one."""
+    _check(a, a_scale, b, b_scale)
+    (m, k), n = a.shape, b.shape[0]
+    if m > MAX_M:
+        raise ValueError(f"skinny_fp8_gemm handles M <= {MAX_M}, got M={m}: use fp8_gemm")
+    cfg = config or config_for(m, n, k)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    splits = triton.cdiv(k, k_per_split)
+    partial = torch.empty(splits, m, n, dtype=torch.float32, device=a.device) if splits > 1 else out
+    _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n), splits)](
+        a,
+        b,
+        a_scale,
+        b_scale,
+        out,
+        partial,
+        m,
+        n,
+        k,
+        k_per_split,
+        a.stride(0),
+        b.stride(0),
+        out.stride(0),
+        A_PER_TOKEN=a_scale.numel() > 1,
+        B_PER_CHANNEL=b_scale.numel() > 1,
+        BLOCK_M=m_bucket(m),
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        SNAP=INTERPRETED,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            partial, out, m, n, splits, out.stride(0), BLOCK=block, SNAP=INTERPRETED
+        )
+    return out
+
+
+@torch.library.custom_op("weft::fp8_gemm", mutates_args=())
+def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+    """bf16 [M, N] = dequant(A [M, K]) @ dequant(B [N, K])^T: weft's kernel up to M = 64, then
+    `torch._scaled_mm` (row-wise scales) on GPU."""
+    _check(a, a_scale, b, b_scale)
+    if a.shape[0] <= MAX_M:
+        return skinny_fp8_gemm(a, a_scale, b, b_scale)
+    if a.device.type != "cuda":
+        return fp8_gemm_reference(a, a_scale, b, b_scale)
+    scale_a = a_scale.float().reshape(-1, 1).expand(a.shape[0], 1).contiguous()
+    scale_b = b_scale.float().reshape(1, -1).expand(1, b.shape[0]).contiguous()
+    return torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)
+
+
+@fp8_gemm.register_fake
+def _(a, a_scale, b, b_scale):
+    return a.new_empty(a.shape[0], b.shape[0], dtype=torch.bfloat16)
+
+
+def fp8_gemm_reference(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor
+) -> torch.Tensor:
+    a_scale, b_scale = a_scale.float().reshape(-1, 1), b_scale.float().reshape(1, -1)
+    return ((a.float() @ b.float().t()) * a_scale * b_scale).to(torch.bfloat16)

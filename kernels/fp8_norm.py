@@ -1,0 +1,167 @@
+"""Residual add + RMSNorm (+ FP8 quantize) in one pass over each row.
+
+    residual <- residual + x                        (in place, rounded to residual's dtype)
+    y        =  residual * rsqrt(mean(residual^2) + eps) * weight
+    out      =  e4m3(y / scale)   with a static scale, or a per-row scale = amax(|y|) / 448
+                or y itself in bf16 for the bf16 decode path
+
+One program holds a whole row in registers, so each element is read once and written once: 2 bytes
+of x, 2 of residual in, 2 of residual out and 1 (or 2) of output per element.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.fp8 import FP8, INTERPRETED, downcast, quantize_reference, row_launch, to_fp8
+
+QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC = 0, 1, 2
+
+
+@triton.jit
+def _add_rmsnorm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    scale_ptr,
+    N,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    HAS_RESIDUAL: tl.constexpr,
+    QUANT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SNAP: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        res_ptrs = res_ptr + row * stride_r + cols
+        h = x.to(tl.float32) + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
+        # Normalise the stored (rounded) residual, as the next layer will see it.
+        h = downcast(h, res_ptr.dtype.element_ty, SNAP)
+        tl.store(res_ptrs, h, mask=mask)
+        h = h.to(tl.float32)
+    else:
+        h = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+    y = h * rstd * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out_ptrs = out_ptr + row * stride_o + cols
+    if QUANT == 0:
+        tl.store(out_ptrs, downcast(y, out_ptr.dtype.element_ty, SNAP), mask=mask)
+    else:
+        if QUANT == 1:
+            scale = tl.load(scale_ptr)
+        else:
+            scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12 * 448.0) / 448.0
+            tl.store(scale_ptr + row, scale)
+        tl.store(out_ptrs, to_fp8(y, 1.0 / scale, SNAP), mask=mask)
+
+
+def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
+    if x.dtype not in (torch.bfloat16, torch.float16) or (residual is not None and residual.dtype != x.dtype):
+        raise ValueError(f"x and residual must share a 16-bit float dtype, got {x.dtype}")
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x must be a row-contiguous [rows, hidden] tensor, got shape {tuple(x.shape)}")
+    if weight.shape != (x.shape[1],):
+        raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {x.shape[1]}")
+    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+        raise ValueError(
+            f"residual shape {tuple(residual.shape)} must equal x's {tuple(x.shape)}, rows contiguous"
+        )
+
+
+def _launch(x, residual, weight, eps, out, scale, quant: int) -> None:
+    block, warps = row_launch(x.shape[1])
+    _add_rmsnorm_kernel[(x.shape[0],)](
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        scale,
+        x.shape[1],
+        eps,
+        x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        out.stride(0),
+        HAS_RESIDUAL=residual is not None,
+        QUANT=quant,
+        BLOCK=block,
+        SNAP=INTERPRETED,
+        num_warps=warps,
+    )
+
+
+@torch.library.custom_op("weft::add_rmsnorm_fp8", mutates_args=("residual",))
+def add_rmsnorm_fp8(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, N], fp32 scales) of RMSNorm(residual + x) * weight; `residual` is updated in place
+    (None: normalise x alone). `scale` given: static per-tensor; None: one scale per row, returned."""
+    _check(x, residual, weight)
+    out = torch.empty(x.shape, dtype=FP8, device=x.device)
+    if scale is None:
+        scales = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+        _launch(x, residual, weight, eps, out, scales, QUANT_DYNAMIC)
+        return out, scales
+    _launch(x, residual, weight, eps, out, scale, QUANT_STATIC)
+    return out, scale.clone()
+
+
+@add_rmsnorm_fp8.register_fake
+def _(x, residual, weight, eps, scale):
+    scales = x.new_empty(x.shape[0], dtype=torch.float32) if scale is None else torch.empty_like(scale)
+    return x.new_empty(x.shape, dtype=FP8), scales
+
+
+@torch.library.custom_op("weft::add_rmsnorm", mutates_args=("residual",))
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """The bf16 path: RMSNorm(residual + x) * weight in x's dtype, `residual` updated in place."""
+    _check(x, residual, weight)
+    out = torch.empty_like(x)
+    _launch(x, residual, weight, eps, out, out, QUANT_NONE)
+    return out
+
+
+@add_rmsnorm.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x)
+
+
+def add_rmsnorm_fp8_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    scale: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Plain torch: (e4m3 values, scales, new residual); inputs are left untouched."""
+    y, new_residual = _rmsnorm_reference(x, residual, weight, eps)
+    q, scales = quantize_reference(y, scale)
+    return q, scales, new_residual
+
+
+def add_rmsnorm_reference(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    y, new_residual = _rmsnorm_reference(x, residual, weight, eps)
+    return y.to(x.dtype), new_residual
+
+
+def _rmsnorm_reference(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor | None]:
+    new_residual = x + residual if residual is not None else None
+    h = (new_residual if residual is not None else x).float()
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return y, new_residual

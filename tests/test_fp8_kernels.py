@@ -1,0 +1,140 @@
+"""FP8 decode kernels against their references: fused add + RMSNorm + quantize, SwiGLU + quantize,
+per-token quantize and the skinny FP8 GEMM. Fresh random inputs, ragged sizes, poisoned outputs; on
+CPU through Triton's interpreter, on a GPU natively."""
+
+import pytest
+import torch
+
+from kernels import fp8_gemm as gemm_module
+from kernels.fp8 import FP8, dequantize, quantize_per_token, quantize_reference, quantize_weight_per_channel
+from kernels.fp8_gemm import GemmConfig, fp8_gemm, fp8_gemm_reference, skinny_fp8_gemm
+from kernels.fp8_norm import add_rmsnorm, add_rmsnorm_fp8, add_rmsnorm_fp8_reference, add_rmsnorm_reference
+from kernels.fp8_swiglu import swiglu, swiglu_fp8, swiglu_fp8_reference, swiglu_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROWS = [1, 3, 17]
+HIDDEN = [64, 1000, 4096]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    assert torch.isfinite(out).all(), "output holds NaN/inf: an element was not written"
+    return ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+
+
+@pytest.fixture
+def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outputs the kernels allocate start as NaN, so an element they never write fails the test."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        tensor = real_empty(*args, **kwargs)
+        if tensor.is_floating_point():
+            tensor.fill_(float("nan"))
+        return tensor
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+def bf16(*shape: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, device=DEVICE) * scale).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("mode", ["dynamic", "static", "bf16"])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rmsnorm(poisoned: None, rows: int, hidden: int, mode: str, with_residual: bool) -> None:
+    x, weight = bf16(rows, hidden), bf16(hidden, scale=0.5) + 1
+    residual = bf16(rows, hidden, scale=3.0) if with_residual else None
+    original = residual.clone() if residual is not None else None
+    if mode == "bf16":
+        out = add_rmsnorm(x, residual, weight, 1e-5)
+        ref, new_residual = add_rmsnorm_reference(x, original, weight, 1e-5)
+        assert rel_err(out, ref) < 1e-2
+    else:
+        static = torch.tensor([0.02], device=DEVICE) if mode == "static" else None
+        q, scales = add_rmsnorm_fp8(x, residual, weight, 1e-5, static)
+        ref_q, ref_scales, new_residual = add_rmsnorm_fp8_reference(x, original, weight, 1e-5, static)
+        assert q.dtype == FP8 and q.shape == x.shape
+        torch.testing.assert_close(scales, ref_scales, rtol=1e-4, atol=0)
+        assert rel_err(dequantize(q, scales), dequantize(ref_q, ref_scales)) < 2e-2
+    if with_residual:
+        assert torch.equal(residual, new_residual)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("hidden", [64, 1000, 3584])
+@pytest.mark.parametrize("mode", ["dynamic", "static", "bf16"])
+def test_swiglu(poisoned: None, rows: int, hidden: int, mode: str) -> None:
+    x = bf16(rows, 2 * hidden, scale=2.0)
+    if mode == "bf16":
+        assert rel_err(swiglu(x), swiglu_reference(x)) < 1e-2
+        return
+    static = torch.tensor([0.05], device=DEVICE) if mode == "static" else None
+    q, scales = swiglu_fp8(x, static)
+    ref_q, ref_scales = swiglu_fp8_reference(x, static)
+    assert q.shape == (rows, hidden)
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-4, atol=0)
+    assert rel_err(dequantize(q, scales), dequantize(ref_q, ref_scales)) < 2e-2
+
+
+def test_quantize_per_token(poisoned: None) -> None:
+    x = bf16(5, 777, scale=4.0)
+    q, scales = quantize_per_token(x)
+    ref_scales = quantize_reference(x)[1]
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-5, atol=0)
+    assert rel_err(dequantize(q, scales), x) < 4e-2  # e4m3 keeps 3 mantissa bits
+
+
+GEMM_SHAPES = [(96, 256), (200, 320), (72, 1000)]
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 33, 64])
+@pytest.mark.parametrize(("n", "k"), GEMM_SHAPES)
+@pytest.mark.parametrize("split_k", [None, 3])
+def test_skinny_gemm(poisoned: None, m: int, n: int, k: int, split_k: int | None) -> None:
+    a, a_scale = quantize_per_token(bf16(m, k))
+    b, b_scale = quantize_weight_per_channel(bf16(n, k, scale=0.05))
+    config = GemmConfig(block_n=32, block_k=128, split_k=split_k) if split_k else None
+    out = skinny_fp8_gemm(a, a_scale, b, b_scale, config)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert rel_err(out, fp8_gemm_reference(a, a_scale, b, b_scale)) < 1e-2
+
+
+def test_gemm_per_tensor_scales_and_large_m_handover(poisoned: None) -> None:
+    a = bf16(70, 128).to(FP8)
+    b = bf16(48, 128).to(FP8)
+    a_scale, b_scale = torch.tensor([0.5], device=DEVICE), torch.tensor([0.25], device=DEVICE)
+    ref = fp8_gemm_reference(a, a_scale, b, b_scale)
+    assert rel_err(fp8_gemm(a[:9], a_scale, b, b_scale), ref[:9]) < 1e-2
+    assert rel_err(fp8_gemm(a, a_scale, b, b_scale), ref) < 1e-2  # M > 64: the stock path
+
+
+def test_split_k_is_deterministic() -> None:
+    a, a_scale = quantize_per_token(bf16(4, 1024))
+    b, b_scale = quantize_weight_per_channel(bf16(64, 1024))
+    config = GemmConfig(block_n=32, block_k=128, split_k=4)
+    first = skinny_fp8_gemm(a, a_scale, b, b_scale, config)
+    assert all(torch.equal(first, skinny_fp8_gemm(a, a_scale, b, b_scale, config)) for _ in range(3))
+
+
+def test_heuristic_config_fills_the_gpu() -> None:
+    cfg = gemm_module.heuristic_config(1, 2304, 16384)
+    assert (2304 // cfg.block_n) * cfg.split_k >= 264
+    assert gemm_module.heuristic_config(64, 4096, 512).split_k * 128 <= 512
+
+
+def test_bad_inputs_fail_clearly() -> None:
+    a, a_scale = quantize_per_token(bf16(2, 64))
+    b, b_scale = quantize_weight_per_channel(bf16(32, 64))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_gemm(a.float(), a_scale, b, b_scale)
+    with pytest.raises(ValueError, match=r"\[N, K\]"):
+        fp8_gemm(a, a_scale, b[:, :32].contiguous(), b_scale)
+    with pytest.raises(ValueError, match="per row"):
+        fp8_gemm(a, a_scale[:1].repeat(3), b, b_scale)
+    with pytest.raises(ValueError, match="hidden size"):
+        add_rmsnorm_fp8(bf16(2, 64), None, bf16(32), 1e-5, None)
+    with pytest.raises(ValueError, match="2 \\* hidden"):
+        swiglu_fp8(bf16(2, 63), None)
