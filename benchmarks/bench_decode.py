@@ -1,7 +1,7 @@
 """End-to-end decode benchmark: serve.py's decode loop on a preset with random weights, several batch
 sizes, bf16 (and FP8 where the kernels exist), with the roofline beside each row.
 
-    python benchmarks/bench_decode.py --model llama3_8b --batch-sizes 1 8 32
+    python -m benchmarks.bench_decode --model llama3_8b --batch-sizes 1 8 32
 """
 
 from __future__ import annotations
