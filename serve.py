@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 from benchmarks.common import environment, markdown_table
 from configs.schema import ServeConfig, register_configs, register_resolvers
 from model.args import ModelArgs
+from model.fp8 import check_fp8_device, convert_to_fp8
 from model.generate import DecodeStep, generate, prefill
 from model.llama import Llama
 from model.loading import load_weights_into, resolve_init_weights, tokenizer_dir
@@ -45,9 +46,10 @@ def build_model(args: ModelArgs, checkpoint: Path | None, device: torch.device, 
     if checkpoint is not None:
         load_weights_into(model, checkpoint)
     if args.fp8:
-        raise ValueError(
-            "model.fp8=true needs weft's FP8 decode kernels, which this build lacks: use model.fp8=false"
-        )
+        check_fp8_device(device)
+        if dtype != torch.bfloat16:
+            raise ValueError(f"model.fp8=true computes in bfloat16: use dtype=bfloat16, not {dtype}")
+        convert_to_fp8(model)
     return model.eval()
 
 
@@ -69,10 +71,13 @@ def memory_bandwidth(device: torch.device) -> float:
 def decode_bytes_per_step(model: Llama, batch: int, cache_len: int) -> int:
     """Bytes one decode step must read: every weight but the embedding table (of which it reads only
     `batch` rows), and the whole static KV cache (attention reads every cached position)."""
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    # FP8 weights and their scales are buffers; the rotary table and KV cache are not weights.
+    buffers = [b for name, b in model.named_buffers() if name.endswith((".weight", ".scale"))]
+    weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *buffers])
     embedding = model.tok_embeddings.weight
-    if not model.args.tie_embeddings:
-        weights -= embedding.numel() * embedding.element_size()
+    table = embedding.numel() * embedding.element_size()
+    # Decode reads `batch` rows of the embedding, all of it only as a tied bf16 output projection.
+    weights -= 0 if model.args.tie_embeddings and not model.args.fp8 else table
     args = model.args
     kv = 2 * args.n_layers * batch * args.n_kv_heads * args.head_dim * cache_len * embedding.element_size()
     return weights + kv
@@ -118,7 +123,7 @@ def benchmark_decode(
     ms_per_step = sorted(times)[1] / decode_steps
     row: dict[str, object] = {
         "model": model.args.name,
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "dtype": "fp8" if model.args.fp8 else str(model.tok_embeddings.weight.dtype).removeprefix("torch."),
         "compiled": compile,
         "batch": batch,
         "prompt_len": prompt_len,

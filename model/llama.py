@@ -103,6 +103,7 @@ class KVCache(nn.Module):
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
+        # Heads of this module (a tensor-parallel plan that splits the projections updates them).
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
@@ -120,8 +121,19 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor | None = None
     ) -> torch.Tensor:
-        bsz, seqlen, _ = x.shape
-        q, k, v = self.project_qkv(x)
+        return self.wo(self.attend(*self.project_qkv(x), rope, input_pos))
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        rope: torch.Tensor,
+        input_pos: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Rotary embeddings, the KV cache and attention for projected q, k, v [B, S, heads * D];
+        returns [B, S, n_heads * D], the input of the output projection."""
+        bsz, seqlen = q.shape[:2]
         # Head counts come from the projections, so a tensor-parallel shard runs the same code.
         q = apply_rope(q.view(bsz, seqlen, -1, self.head_dim), rope)
         k = apply_rope(k.view(bsz, seqlen, -1, self.head_dim), rope)
@@ -131,9 +143,9 @@ class Attention(nn.Module):
         if self.kv_cache is not None:
             assert input_pos is not None, "a model with a KV cache needs input_pos"
             k, v = self.kv_cache.update(input_pos, k, v)
-            mask = torch.arange(k.shape[2], device=x.device)[None, :] <= input_pos[:, None]
+            mask = torch.arange(k.shape[2], device=q.device)[None, :] <= input_pos[:, None]
         out = self.attention_fn(q, k, v, mask)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+        return out.transpose(1, 2).reshape(bsz, seqlen, -1)
 
 
 class FeedForward(nn.Module):
@@ -216,13 +228,11 @@ class Llama(nn.Module):
                 f"cache length {max_len} exceeds model.max_seq_len={self.args.max_seq_len}: "
                 "shorten the prompt plus new tokens or raise model.max_seq_len"
             )
-        param = self.output.weight
+        embedding = self.tok_embeddings.weight
+        dtype, device = dtype or embedding.dtype, embedding.device
         for layer in self.layers:
             attn = layer.attention
-            n_kv_heads = attn.wk.weight.shape[0] // attn.head_dim
-            attn.kv_cache = KVCache(batch, max_len, n_kv_heads, attn.head_dim, dtype or param.dtype).to(
-                param.device
-            )
+            attn.kv_cache = KVCache(batch, max_len, attn.n_kv_heads, attn.head_dim, dtype).to(device)
 
     def clear_caches(self) -> None:
         for layer in self.layers:

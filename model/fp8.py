@@ -1,0 +1,106 @@
+"""FP8 decode (`model.fp8=true`): the plain model's linear weights quantized to e4m3 with one scale
+per output channel, and each block run on weft's fused FP8 kernels:
+
+    x -> RMSNorm + quantize -> [wq|wk|wv] FP8 GEMM -> attention -> quantize -> wo FP8 GEMM
+      -> residual add + RMSNorm + quantize -> [w1|w3] FP8 GEMM -> SwiGLU + quantize -> w2 FP8 GEMM -> + h
+
+Activations get one scale per token, computed inside the norm and SwiGLU kernels. The projections
+that read the same input are fused into one weight, so each reads its input once and launches once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.fp8 import quantize_per_token, quantize_weight_per_channel
+from kernels.fp8_gemm import fp8_gemm
+from kernels.fp8_norm import add_rmsnorm, add_rmsnorm_fp8
+from kernels.fp8_swiglu import swiglu_fp8
+from model.llama import Llama, RMSNorm, TransformerBlock
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """FP8 tensor-core kernels need a CUDA GPU of compute capability 8.9 or newer (Ada, Hopper)."""
+    if device.type != "cuda":
+        raise ValueError("model.fp8=true runs on CUDA GPUs only: use model.fp8=false on the CPU")
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"{torch.cuda.get_device_name(device)} has no FP8 tensor cores: use model.fp8=false")
+
+
+class Fp8Weight(nn.Module):
+    """One or more linear weights [N_i, K] concatenated and quantized: e4m3 [sum N_i, K] + fp32 [sum N_i]."""
+
+    def __init__(self, *weights: torch.Tensor) -> None:
+        super().__init__()
+        q, scale = quantize_weight_per_channel(torch.cat([w.detach() for w in weights]))
+        self.register_buffer("weight", q)
+        self.register_buffer("scale", scale)
+
+    def forward(self, x_fp8: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        return fp8_gemm(x_fp8, x_scale, self.weight, self.scale)
+
+
+class Fp8Linear(nn.Module):
+    """A bias-free linear layer on an FP8 copy of `weight` [N, K], quantizing its input per token."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.fp8 = Fp8Weight(weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, scale = quantize_per_token(x.reshape(-1, x.shape[-1]))
+        return self.fp8(q, scale).view(*x.shape[:-1], -1)
+
+
+class FusedRMSNorm(nn.Module):
+    """RMSNorm through the fused kernel (one launch) in the activations' dtype."""
+
+    def __init__(self, norm: RMSNorm) -> None:
+        super().__init__()
+        self.weight, self.eps = norm.weight, norm.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return add_rmsnorm(x.reshape(-1, x.shape[-1]), None, self.weight, self.eps).view_as(x)
+
+
+class Fp8Block(nn.Module):
+    """A TransformerBlock's weights in FP8, its forward on the fused kernels (module docstring)."""
+
+    def __init__(self, block: TransformerBlock) -> None:
+        super().__init__()
+        attn, ffn = block.attention, block.feed_forward
+        self.attention = attn  # rotary embeddings, KV cache and attention function stay as they are
+        self.qkv = Fp8Weight(attn.wq.weight, attn.wk.weight, attn.wv.weight)
+        self.qkv_sizes = [attn.wq.weight.shape[0], attn.wk.weight.shape[0], attn.wv.weight.shape[0]]
+        self.wo = Fp8Weight(attn.wo.weight)
+        self.w13 = Fp8Weight(ffn.w1.weight, ffn.w3.weight)
+        self.w2 = Fp8Weight(ffn.w2.weight)
+        self.attention_norm, self.ffn_norm = block.attention_norm, block.ffn_norm
+        del attn.wq, attn.wk, attn.wv, attn.wo  # the bf16 copies are no longer needed
+
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        bsz, seqlen, dim = x.shape
+        residual = x.reshape(-1, dim).clone()
+        xq, xs = add_rmsnorm_fp8(residual, None, self.attention_norm.weight, self.attention_norm.eps, None)
+        q, k, v = self.qkv(xq, xs).view(bsz, seqlen, -1).split(self.qkv_sizes, dim=-1)
+        attended = self.attention.attend(q, k, v, rope, input_pos).reshape(bsz * seqlen, -1)
+        attn_out = self.wo(*quantize_per_token(attended))
+        # residual <- residual + attention output (in place); its norm, quantized, feeds the MLP.
+        hq, hs = add_rmsnorm_fp8(attn_out, residual, self.ffn_norm.weight, self.ffn_norm.eps, None)
+        mlp_out = self.w2(*swiglu_fp8(self.w13(hq, hs), None))
+        return (residual + mlp_out).view(bsz, seqlen, dim)
+
+
+@torch.no_grad()
+def convert_to_fp8(model: Llama) -> Llama:
+    """Quantize the model's linear layers in place for FP8 decoding (the embedding stays bf16)."""
+    for i, block in enumerate(model.layers):
+        model.layers[i] = Fp8Block(block)
+    model.norm = FusedRMSNorm(model.norm)
+    model.output = Fp8Linear(model.output.weight)  # the embedding's weight when tied
+    if model.tok_embeddings.weight.is_cuda:
+        torch.cuda.empty_cache()
+    return model

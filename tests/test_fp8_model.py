@@ -1,0 +1,42 @@
+"""model.fp8=true: the FP8 decode model (fused kernels, FP8 weights) tracks the bf16 model, with the
+KV cache, on CPU through Triton's interpreter and on a GPU."""
+
+import pytest
+import torch
+
+from model.args import ModelArgs
+from model.fp8 import Fp8Block, check_fp8_device, convert_to_fp8
+from model.generate import prefill
+from model.llama import Llama
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_fp8_model_tracks_bf16(tie: bool) -> None:
+    args = ModelArgs(
+        dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=160, ffn_hidden=200, tie_embeddings=tie
+    )
+    model = Llama(args).to(DEVICE)
+    model.init_weights()
+    model = model.to(torch.bfloat16).eval()
+    tokens = torch.randint(0, 160, (2, 12), device=DEVICE)
+    model.setup_caches(2, 16)
+    expected = prefill(model, tokens).float()
+    model.clear_caches()
+
+    args.fp8 = True
+    convert_to_fp8(model)
+    assert all(isinstance(layer, Fp8Block) for layer in model.layers)
+    model.setup_caches(2, 16)
+    got = prefill(model, tokens).float()
+    step = model(tokens[:, -1:], torch.tensor([12], device=DEVICE))[:, -1].float()
+    assert torch.isfinite(step).all()
+    rel = ((got - expected).norm() / expected.norm()).item()
+    assert rel < 0.1, rel  # e4m3 keeps 3 mantissa bits: a few percent, not more
+
+
+def test_fp8_needs_a_gpu_with_fp8() -> None:
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="CUDA"):
+            check_fp8_device(torch.device("cpu"))
