@@ -21,6 +21,7 @@ from functools import partial
 import torch
 
 from benchmarks.common import time_graph, write_results
+from kernels import fp8
 from kernels import fp8_gemm as gemm
 from kernels.fp8 import quantize_per_token, quantize_weight_per_channel
 from kernels.fp8_norm import add_rmsnorm_fp8, add_rmsnorm_fp8_reference
@@ -104,6 +105,24 @@ def row(
     }
 
 
+def sweep_row_warps() -> None:
+    """Norm and SwiGLU at 1, 64, 1024 and 2048 rows for several kernels.fp8.ELEMENTS_PER_WARP."""
+    default = fp8.ELEMENTS_PER_WARP
+    for per_warp in [256, 512, 1024, 2048]:
+        fp8.ELEMENTS_PER_WARP = per_warp
+        for rows in [1, 64, 1024, 2048]:
+            x, r = (torch.randn(rows, 16384, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            w = torch.rand(16384, device="cuda", dtype=torch.bfloat16)
+            gate_up = torch.randn(rows, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+            norm_us = time_us([partial(add_rmsnorm_fp8, x, r, w, 1e-5, None)])
+            swiglu_us = time_us([partial(swiglu_fp8, gate_up, None)])
+            print(
+                f"elements/warp {per_warp} rows {rows}: norm {norm_us:.2f} us, swiglu {swiglu_us:.2f} us",
+                flush=True,
+            )
+    fp8.ELEMENTS_PER_WARP = default
+
+
 def gemm_operands(m: int, n: int, k: int):
     a, a_scale = quantize_per_token(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
     weights = [
@@ -173,11 +192,16 @@ def main() -> None:
     )
     parser.add_argument("--tune", action="store_true", help="tune GEMM tiles first and save them")
     parser.add_argument("--only", choices=["norm", "swiglu", "gemm"], help="run one table")
+    parser.add_argument(
+        "--sweep-row-warps", action="store_true", help="time the row kernels at several warp counts"
+    )
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8.py needs a CUDA GPU")
     if opts.tune:
         tune_gemm()
+    if opts.sweep_row_warps:
+        sweep_row_warps()
     if opts.only in (None, "norm"):
         write_results(
             "fp8_norm", bench_norm(), notes="CUDA-graph replays, inputs rotated beyond L2; dynamic scales"

@@ -88,15 +88,18 @@ def _quantize_rows_kernel(
     tl.store(out_ptr + row * stride_o + cols, to_fp8(x, 1.0 / scale, SNAP), mask=mask)
 
 
+# Elements of a row each warp holds in the row kernels (sets num_warps; see bench_fp8 --sweep-row-warps).
+ELEMENTS_PER_WARP = 512
+
+
 def row_launch(n_cols: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) for kernels that keep one whole row in registers: 16 bytes per thread per
-    load at bf16, up to 32 warps."""
+    """(BLOCK, num_warps) for kernels that keep one whole row in registers, up to 32 warps."""
     block = triton.next_power_of_2(n_cols)
     if block > 65536:
         raise ValueError(
             f"rows of {n_cols} elements exceed the 65536 these FP8 row kernels hold in registers"
         )
-    return block, max(1, min(32, block // 512))
+    return block, max(1, min(32, block // ELEMENTS_PER_WARP))
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

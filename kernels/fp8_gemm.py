@@ -5,8 +5,9 @@ tensor).
 At decode M is tiny, so the time is the time to read B (N * K bytes) once. The grid spreads B over
 many programs: columns in tiles of BLOCK_N, and K in `split_k` slices so that even a narrow N keeps
 every SM streaming. Each program accumulates [BLOCK_M, BLOCK_N] in fp32 on the tensor cores (M padded
-to BLOCK_M >= 16 by masking). With split_k > 1 each slice writes its fp32 partial and a second kernel
-sums the slices in a fixed order: the result is deterministic, and no zero-fill or atomics are needed.
+to BLOCK_M >= 16 by masking). With split_k > 1 each slice writes its fp32 partial and the last slice
+of a column tile to finish (an arrival counter per tile) sums the partials in a fixed order: one
+launch, a deterministic result, and no zero-fill of the output.
 
 Tile configs are tuned per (M bucket, N, K) on the GPU by `benchmarks/bench_fp8.py --tune` and kept in
 fp8_gemm_configs.json beside this file, so serving never autotunes; untuned shapes use a heuristic.
@@ -82,6 +83,7 @@ def _skinny_gemm_kernel(
     b_scale_ptr,
     out_ptr,
     partial_ptr,
+    counter_ptr,
     M,
     N,
     K,
@@ -121,27 +123,34 @@ def _skinny_gemm_kernel(
     else:
         acc = acc * tl.load(b_scale_ptr)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    if tl.num_programs(1) == 1:
-        tl.store(
-            out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=mask,
-        )
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    splits = tl.num_programs(1)
+    if splits == 1:
+        tl.store(out_ptrs, downcast(acc, out_ptr.dtype.element_ty, SNAP), mask=mask)
     else:
-        tl.store(partial_ptr + (pid_k * M + offs_m[:, None]) * N + offs_n[None, :], acc, mask=mask)
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=mask)
+        # The last K slice of this column tile to arrive sums every slice in a fixed order (so the
+        # result is deterministic) and re-arms the tile's counter for the next call.
+        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
+        if arrived == splits - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(0, splits):
+                total += tl.load(partial_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptrs, downcast(total, out_ptr.dtype.element_ty, SNAP), mask=mask)
+            tl.atomic_xchg(counter_ptr + pid_n, 0)
 
 
-@triton.jit
-def _sum_splits_kernel(
-    partial_ptr, out_ptr, M, N, splits, stride_om, BLOCK: tl.constexpr, SNAP: tl.constexpr
-):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * N
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(splits):
-        acc += tl.load(partial_ptr + s * M * N + offs, mask=mask, other=0.0)
-    out = downcast(acc, out_ptr.dtype.element_ty, SNAP)
-    tl.store(out_ptr + (offs // N) * stride_om + offs % N, out, mask=mask)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters, one per column tile, allocated once per device and left at zero
+    by every call (so CUDA-graph replays reuse them). Calls on concurrent streams must not share them."""
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < tiles:
+        counters = _COUNTERS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+    return counters
 
 
 def _check(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> None:
@@ -174,14 +183,16 @@ def skinny_fp8_gemm(
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
+    tiles = triton.cdiv(n, cfg.block_n)
     partial = torch.empty(splits, m, n, dtype=torch.float32, device=a.device) if splits > 1 else out
-    _skinny_gemm_kernel[(triton.cdiv(n, cfg.block_n), splits)](
+    _skinny_gemm_kernel[(tiles, splits)](
         a,
         b,
         a_scale,
         b_scale,
         out,
         partial,
+        tile_counters(a.device, tiles),
         m,
         n,
         k,
@@ -198,11 +209,6 @@ def skinny_fp8_gemm(
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
-    if splits > 1:
-        block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
-            partial, out, m, n, splits, out.stride(0), BLOCK=block, SNAP=INTERPRETED
-        )
     return out
 
 
