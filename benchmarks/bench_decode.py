@@ -29,7 +29,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--decode-steps", type=int, default=128)
     parser.add_argument("--fp8", action="store_true", help="also run the FP8 decode path")
-    parser.add_argument("--compile", action="store_true", help="also time the torch.compile'd decode step")
+    parser.add_argument(
+        "--compile", action="store_true", help="torch.compile the decode step (results *-compiled)"
+    )
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA GPU")
@@ -52,7 +54,7 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
     write_results(
-        f"decode-{opts.model}",
+        f"decode-{opts.model}" + ("-compiled" if opts.compile else ""),
         rows,
         notes=f"prompt {opts.prompt_len}, {opts.decode_steps} decode steps timed, CUDA graphs",
     )
