@@ -12,7 +12,6 @@ Every key is listed, typed and documented in configs/schema.py.
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 
 from benchmarks.common import environment, markdown_table
-from configs.schema import ServeConfig, register_configs, register_resolvers
+from configs.launch import launch
+from configs.schema import ServeConfig
 from model.args import ModelArgs
 from model.fp8 import check_fp8_device, convert_to_fp8
 from model.generate import DecodeStep, generate, prefill
@@ -202,11 +202,4 @@ def main(cfg: ServeConfig) -> None:
 
 
 if __name__ == "__main__":
-    distributed.init_distributed()
-    register_configs()
-    register_resolvers()
-    sys.argv += distributed.hydra_overrides_for_rank()
-    try:
-        main()
-    finally:
-        distributed.shutdown()
+    launch(main)

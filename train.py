@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +23,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from configs.schema import TrainConfig, register_configs, register_resolvers
+from configs.launch import launch
+from configs.schema import TrainConfig
 from model.args import ModelArgs
 from model.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from model.data import build_dataset, load_documents
@@ -266,11 +266,4 @@ def main(cfg: TrainConfig) -> None:
 
 
 if __name__ == "__main__":
-    distributed.init_distributed()
-    register_configs()
-    register_resolvers()
-    sys.argv += distributed.hydra_overrides_for_rank()
-    try:
-        main()
-    finally:
-        distributed.shutdown()
+    launch(main)

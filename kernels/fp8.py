@@ -52,6 +52,22 @@ def to_fp8(y, inv_scale, SNAP: tl.constexpr):
     return q.to(tl.float8e4nv)
 
 
+@triton.jit
+def store_row(y, out_ptr, row, stride_o, cols, mask, scale_ptr, QUANT: tl.constexpr, SNAP: tl.constexpr):
+    """Write one fp32 row: as out_ptr's dtype (QUANT 0), or as e4m3 with the static scale at
+    scale_ptr (QUANT 1) or a per-row scale amax / 448 stored at scale_ptr[row] (QUANT 2)."""
+    out_ptrs = out_ptr + row * stride_o + cols
+    if QUANT == 0:
+        tl.store(out_ptrs, downcast(y, out_ptr.dtype.element_ty, SNAP), mask=mask)
+    else:
+        if QUANT == 1:
+            scale = tl.load(scale_ptr)
+        else:
+            scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12 * 448.0) / 448.0
+            tl.store(scale_ptr + row, scale)
+        tl.store(out_ptrs, to_fp8(y, 1.0 / scale, SNAP), mask=mask)
+
+
 def quantize_reference(
     x: torch.Tensor, scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,9 +99,7 @@ def _quantize_rows_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12 * 448.0) / 448.0
-    tl.store(scale_ptr + row, scale)
-    tl.store(out_ptr + row * stride_o + cols, to_fp8(x, 1.0 / scale, SNAP), mask=mask)
+    store_row(x, out_ptr, row, stride_o, cols, mask, scale_ptr, QUANT=2, SNAP=SNAP)
 
 
 # Elements of a row each warp holds in the row kernels (sets num_warps; see bench_fp8 --sweep-row-warps).

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, INTERPRETED, downcast, quantize_reference, row_launch, to_fp8
+from kernels.fp8 import FP8, INTERPRETED, downcast, quantize_reference, row_launch, store_row
 
 QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC = 0, 1, 2
 
@@ -52,16 +52,7 @@ def _add_rmsnorm_kernel(
         h = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
     y = h * rstd * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    out_ptrs = out_ptr + row * stride_o + cols
-    if QUANT == 0:
-        tl.store(out_ptrs, downcast(y, out_ptr.dtype.element_ty, SNAP), mask=mask)
-    else:
-        if QUANT == 1:
-            scale = tl.load(scale_ptr)
-        else:
-            scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12 * 448.0) / 448.0
-            tl.store(scale_ptr + row, scale)
-        tl.store(out_ptrs, to_fp8(y, 1.0 / scale, SNAP), mask=mask)
+    store_row(y, out_ptr, row, stride_o, cols, mask, scale_ptr, QUANT, SNAP)
 
 
 def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:

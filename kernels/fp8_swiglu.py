@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, INTERPRETED, downcast, quantize_reference, row_launch, to_fp8
+from kernels.fp8 import FP8, INTERPRETED, quantize_reference, row_launch, store_row
 
 QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC = 0, 1, 2
 
@@ -31,16 +31,7 @@ def _swiglu_kernel(
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + H + cols, mask=mask, other=0.0).to(tl.float32)
     y = gate * tl.sigmoid(gate) * up
-    out_ptrs = out_ptr + row * stride_o + cols
-    if QUANT == 0:
-        tl.store(out_ptrs, downcast(y, out_ptr.dtype.element_ty, SNAP), mask=mask)
-    else:
-        if QUANT == 1:
-            scale = tl.load(scale_ptr)
-        else:
-            scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12 * 448.0) / 448.0
-            tl.store(scale_ptr + row, scale)
-        tl.store(out_ptrs, to_fp8(y, 1.0 / scale, SNAP), mask=mask)
+    store_row(y, out_ptr, row, stride_o, cols, mask, scale_ptr, QUANT, SNAP)
 
 
 def _launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, quant: int) -> None:
