@@ -55,7 +55,7 @@ def test_train_resume_then_serve(tmp_path: Path) -> None:
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resuming from" in second.stdout
     assert losses(interrupted)[8] == losses(straight)[8]
-    assert (interrupted / "hf" / "config.json").is_file()
+    assert_export_matches_transformers(interrupted)
 
     bench = run_script(
         "serve.py",
@@ -82,6 +82,29 @@ def test_train_resume_then_serve(tmp_path: Path) -> None:
     )
     assert gen.returncode == 0, gen.stderr[-3000:]
     assert gen.stdout.startswith("def")
+
+
+def assert_export_matches_transformers(run_dir: Path) -> None:
+    """The trained checkpoint, exported (fp32 here; train.py exports bf16), loads in transformers
+    with the same logits as weft's model."""
+    import torch
+    import transformers
+
+    from model.hf import export_hf
+    from model.llama import Llama
+    from model.loading import checkpoint_args, load_weights_into, resolve_checkpoint
+
+    assert (run_dir / "hf" / "config.json").is_file()
+    checkpoint = resolve_checkpoint(run_dir)
+    model = Llama(checkpoint_args(checkpoint))
+    load_weights_into(model, checkpoint)
+    exported = export_hf(model, model.args, run_dir / "hf32", dtype=torch.float32)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        exported, attn_implementation="eager"
+    ).eval()
+    tokens = torch.randint(0, 258, (2, 20))
+    with torch.no_grad():
+        assert (model(tokens) - reference(tokens).logits).abs().max().item() <= 1e-4
 
 
 def test_torchrun_data_parallel(tmp_path: Path) -> None:
