@@ -5,11 +5,8 @@
     out      =  e4m3(y / scale)   with a static scale, or a per-row scale = amax(|y|) / 448
                 or y itself in bf16 for the bf16 decode path
 
-Few rows (decode): one program holds a whole row in registers, so each element is read once and
-written once: 2 bytes of x, 2 of residual in, 2 of residual out and 1 (or 2) of output per element.
-Many rows: a whole row per program would fill half an SM's registers and leave one row in flight per
-SM, so the row goes in chunks over two passes (the second re-reads the residual it just wrote, from
-L2) and many rows stream through each SM at once.
+One program holds a whole row in registers, so each element is read once and written once: 2 bytes
+of x, 2 of residual in, 2 of residual out and 1 (or 2) of output per element.
 """
 
 from __future__ import annotations
@@ -18,12 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, INTERPRETED, downcast, quantize_reference, row_launch, store_row, to_fp8
+from kernels.fp8 import FP8, INTERPRETED, downcast, quantize_reference, row_launch, store_row
 
 QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC = 0, 1, 2
-# From this many rows on, the chunked two-pass kernel runs (about two rows per SM on an H100/H200).
-TWO_PASS_MIN_ROWS = 256
-CHUNK = 2048
 
 
 @triton.jit
@@ -61,60 +55,6 @@ def _add_rmsnorm_kernel(
     store_row(y, out_ptr, row, stride_o, cols, mask, scale_ptr, QUANT, SNAP)
 
 
-@triton.jit
-def _add_rmsnorm_two_pass_kernel(
-    x_ptr,
-    res_ptr,
-    w_ptr,
-    out_ptr,
-    scale_ptr,
-    N,
-    eps,
-    stride_x,
-    stride_r,
-    stride_o,
-    HAS_RESIDUAL: tl.constexpr,
-    QUANT: tl.constexpr,
-    CHUNK: tl.constexpr,
-    SNAP: tl.constexpr,
-):
-    row = tl.program_id(0)
-    src_ptr = res_ptr + row * stride_r if HAS_RESIDUAL else x_ptr + row * stride_x
-    # Pass 1: residual add and store; sum of squares, and max |h * w| (amax(y) = rstd * that).
-    sumsq = tl.zeros((CHUNK,), dtype=tl.float32)
-    amax = tl.zeros((CHUNK,), dtype=tl.float32)
-    for start in range(0, N, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        mask = cols < N
-        h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        if HAS_RESIDUAL:
-            h += tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-            h = downcast(h, res_ptr.dtype.element_ty, SNAP)
-            tl.store(res_ptr + row * stride_r + cols, h, mask=mask)
-            h = h.to(tl.float32)
-        sumsq += h * h
-        if QUANT == 2:
-            amax = tl.maximum(amax, tl.abs(h * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)))
-    rstd = tl.rsqrt(tl.sum(sumsq, axis=0) / N + eps)
-    inv_scale = 1.0
-    if QUANT == 1:
-        inv_scale = 1.0 / tl.load(scale_ptr)
-    if QUANT == 2:
-        scale = tl.maximum(tl.max(amax, axis=0) * rstd, 1e-12 * 448.0) / 448.0
-        tl.store(scale_ptr + row, scale)
-        inv_scale = 1.0 / scale
-    # Pass 2: normalise the stored residual (an L2 hit) and write the output.
-    for start in range(0, N, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        mask = cols < N
-        h = tl.load(src_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        y = h * rstd * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if QUANT == 0:
-            tl.store(out_ptr + row * stride_o + cols, downcast(y, out_ptr.dtype.element_ty, SNAP), mask=mask)
-        else:
-            tl.store(out_ptr + row * stride_o + cols, to_fp8(y, inv_scale, SNAP), mask=mask)
-
-
 def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
     if x.dtype not in (torch.bfloat16, torch.float16) or (residual is not None and residual.dtype != x.dtype):
         raise ValueError(f"x and residual must share a 16-bit float dtype, got {x.dtype}")
@@ -129,7 +69,8 @@ def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor)
 
 
 def _launch(x, residual, weight, eps, out, scale, quant: int) -> None:
-    args = (
+    block, warps = row_launch(x.shape[1])
+    _add_rmsnorm_kernel[(x.shape[0],)](
         x,
         residual if residual is not None else x,
         weight,
@@ -140,15 +81,6 @@ def _launch(x, residual, weight, eps, out, scale, quant: int) -> None:
         x.stride(0),
         residual.stride(0) if residual is not None else 0,
         out.stride(0),
-    )
-    if x.shape[0] >= TWO_PASS_MIN_ROWS:
-        _add_rmsnorm_two_pass_kernel[(x.shape[0],)](
-            *args, HAS_RESIDUAL=residual is not None, QUANT=quant, CHUNK=CHUNK, SNAP=INTERPRETED, num_warps=4
-        )
-        return
-    block, warps = row_launch(x.shape[1])
-    _add_rmsnorm_kernel[(x.shape[0],)](
-        *args,
         HAS_RESIDUAL=residual is not None,
         QUANT=quant,
         BLOCK=block,

@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from kernels import fp8_gemm as gemm_module
-from kernels import fp8_norm, fp8_swiglu
 from kernels.fp8 import FP8, dequantize, quantize_per_token, quantize_reference, quantize_weight_per_channel
 from kernels.fp8_gemm import GemmConfig, fp8_gemm, fp8_gemm_reference, skinny_fp8_gemm
 from kernels.fp8_norm import add_rmsnorm, add_rmsnorm_fp8, add_rmsnorm_fp8_reference, add_rmsnorm_reference
@@ -41,24 +40,11 @@ def bf16(*shape: int, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, device=DEVICE) * scale).to(torch.bfloat16)
 
 
-@pytest.fixture(params=["one-pass", "chunked"])
-def row_kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run each row-kernel test on both variants: whole rows in registers, and chunked rows (which
-    the launchers pick from a few hundred rows on)."""
-    if request.param == "chunked":
-        monkeypatch.setattr(fp8_norm, "TWO_PASS_MIN_ROWS", 1)
-        monkeypatch.setattr(fp8_norm, "CHUNK", 256)
-        monkeypatch.setattr(fp8_swiglu, "CHUNKED_MIN_ROWS", 1)
-        monkeypatch.setattr(fp8_swiglu, "CHUNK", 256)
-
-
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("hidden", HIDDEN)
 @pytest.mark.parametrize("mode", ["dynamic", "static", "bf16"])
 @pytest.mark.parametrize("with_residual", [True, False])
-def test_add_rmsnorm(
-    poisoned: None, row_kernel: None, rows: int, hidden: int, mode: str, with_residual: bool
-) -> None:
+def test_add_rmsnorm(poisoned: None, rows: int, hidden: int, mode: str, with_residual: bool) -> None:
     x, weight = bf16(rows, hidden), bf16(hidden, scale=0.5) + 1
     residual = bf16(rows, hidden, scale=3.0) if with_residual else None
     original = residual.clone() if residual is not None else None
@@ -80,7 +66,7 @@ def test_add_rmsnorm(
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("hidden", [64, 1000, 3584])
 @pytest.mark.parametrize("mode", ["dynamic", "static", "bf16"])
-def test_swiglu(poisoned: None, row_kernel: None, rows: int, hidden: int, mode: str) -> None:
+def test_swiglu(poisoned: None, rows: int, hidden: int, mode: str) -> None:
     x = bf16(rows, 2 * hidden, scale=2.0)
     if mode == "bf16":
         assert rel_err(swiglu(x), swiglu_reference(x)) < 1e-2
