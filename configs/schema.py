@@ -111,7 +111,7 @@ class ServeConfig:
     cuda_graphs: bool = True
     # Fuse the decode step with torch.compile before capturing it.
     compile: bool = False
-    # Weights and activations dtype: bfloat16 | float16 | float32 (CPU runs float32 unless asked).
+    # Weights and activations dtype: bfloat16 | float16 | float32.
     dtype: str = "bfloat16"
     seed: int = 0
     device: str = "auto"
