@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=128)
     parser.add_argument("--fp8", action="store_true", help="also run the FP8 decode path")
     parser.add_argument(
-        "--compile", action="store_true", help="also time the torch.compile'd decode step (written to *-compiled files)"
+        "--compile", action="store_true", help="also time the compiled decode step (*-compiled files)"
     )
     opts = parser.parse_args()
     if not torch.cuda.is_available():
