@@ -4,6 +4,7 @@ a position that a checkpoint saves for an exact resume."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -26,7 +27,10 @@ def read_documents(path: Path, jsonl_field: str) -> list[str]:
         for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
             if not line.strip():
                 continue
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{number} is not valid JSON ({error.msg})") from None
             if not isinstance(record, dict) or jsonl_field not in record:
                 raise ValueError(f"{path}:{number} has no field {jsonl_field!r}: set data.jsonl_field")
             documents.append(str(record[jsonl_field]))
@@ -50,12 +54,22 @@ def load_documents(path: str | None, jsonl_field: str = "text") -> list[str]:
     return read_documents(root, jsonl_field)
 
 
-def tokenize_corpus(documents: list[str], tokenizer: Tokenizer) -> torch.Tensor:
-    """One stream of token ids, each document starting with BOS and ending with EOS."""
-    ids: list[int] = []
-    for doc in documents:
-        ids.extend(tokenizer.encode(doc, bos=True, eos=True))
-    return torch.tensor(ids, dtype=torch.int64)
+def load_text(path: str | None, jsonl_field: str = "text") -> str:
+    """The corpus as one text: its documents (see `load_documents`) joined by blank lines. For the
+    default corpus that is `"\\n\\n".join` of Python's documentation topics in sorted key order."""
+    return "\n\n".join(load_documents(path, jsonl_field))
+
+
+def tokenize_corpus(documents: str | Sequence[str], tokenizer: Tokenizer, chunk: int = 1024) -> torch.Tensor:
+    """One stream of token ids, each document starting with BOS and ending with EOS (a plain string
+    is one document). Nothing is cached on disk."""
+    if isinstance(documents, str):
+        documents = [documents]
+    parts = [torch.zeros(0, dtype=torch.int64)]
+    for first in range(0, len(documents), chunk):
+        encoded = tokenizer.encode_batch(documents[first : first + chunk], bos=True, eos=True)
+        parts.append(torch.tensor([i for ids in encoded for i in ids], dtype=torch.int64))
+    return torch.cat(parts)
 
 
 class PackedDataset:
@@ -66,6 +80,16 @@ class PackedDataset:
     def __init__(
         self, tokens: torch.Tensor, seq_len: int, batch_size: int, rank: int, world_size: int, seed: int
     ):
+        if tokens.dim() != 1:
+            raise ValueError(
+                f"PackedDataset takes a 1-D tensor of token ids, got shape {tuple(tokens.shape)}"
+            )
+        if seq_len <= 0 or batch_size <= 0 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"need seq_len > 0, batch_size > 0 and 0 <= rank < world_size "
+                f"(got {seq_len}, {batch_size}, rank {rank} of {world_size})"
+            )
+        tokens = tokens.to(torch.int64)
         self.windows = tokens[: (tokens.numel() - 1) // seq_len * seq_len + 1]
         self.seq_len, self.batch_size = seq_len, batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
@@ -96,15 +120,22 @@ class PackedDataset:
         return batch[:, :-1], batch[:, 1:]
 
     def state_dict(self) -> dict[str, int]:
+        """Where the next batch comes from: the epoch and the steps already taken in it."""
         return {"epoch": self.epoch, "step": self.step}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        step = int(state["step"] if "step" in state else state["position"])
+        if not 0 <= step <= self.steps_per_epoch:
+            raise ValueError(
+                f"saved data position {step} is past this corpus' {self.steps_per_epoch} steps per epoch: "
+                "resume with the same data, training.batch_size and training.seq_len"
+            )
+        self.epoch, self.step = int(state["epoch"]), step
         self._order = self._epoch_order()
 
 
 def build_dataset(
-    documents: list[str],
+    text: str | Sequence[str],
     tokenizer: Tokenizer,
     seq_len: int,
     batch_size: int,
@@ -112,4 +143,5 @@ def build_dataset(
     world_size: int,
     seed: int,
 ) -> PackedDataset:
-    return PackedDataset(tokenize_corpus(documents, tokenizer), seq_len, batch_size, rank, world_size, seed)
+    """Tokenize `text` (one string, or a list of documents as `load_documents` gives) and pack it."""
+    return PackedDataset(tokenize_corpus(text, tokenizer), seq_len, batch_size, rank, world_size, seed)

@@ -1,0 +1,122 @@
+"""Corpus loading and packed data: determinism, disjoint rank shares, exact resume, clear errors."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.data import (
+    PackedDataset,
+    build_dataset,
+    load_documents,
+    load_text,
+    tokenize_corpus,
+)
+from model.tokenizer import ByteTokenizer
+
+
+def dataset(tokens: torch.Tensor, rank: int = 0, world_size: int = 1, seed: int = 3) -> PackedDataset:
+    return PackedDataset(tokens, seq_len=16, batch_size=4, rank=rank, world_size=world_size, seed=seed)
+
+
+def test_default_corpus_is_python_topics() -> None:
+    from pydoc_data.topics import topics
+
+    text = load_text(None)
+    assert text == "\n\n".join(topics[key] for key in sorted(topics))
+    assert len(text) > 400_000
+    assert load_documents(None) == [topics[key] for key in sorted(topics)]
+
+
+def test_text_jsonl_and_directory(tmp_path: Path) -> None:
+    (tmp_path / "b.txt").write_text("second file")
+    (tmp_path / "a.md").write_text("# first file")
+    (tmp_path / "c.jsonl").write_text(
+        json.dumps({"text": "doc one", "body": "x"}) + "\n\n" + json.dumps({"text": "doc two"}) + "\n"
+    )
+    (tmp_path / "ignored.bin").write_bytes(b"\x00\x01")
+    assert load_text(str(tmp_path / "b.txt")) == "second file"
+    assert load_documents(str(tmp_path / "c.jsonl")) == ["doc one", "doc two"]
+    assert load_documents(str(tmp_path)) == ["# first file", "second file", "doc one", "doc two"]
+    assert load_text(str(tmp_path)) == "# first file\n\nsecond file\n\ndoc one\n\ndoc two"
+    (tmp_path / "d.jsonl").write_text(json.dumps({"body": "other field"}) + "\n")
+    assert load_documents(str(tmp_path / "d.jsonl"), jsonl_field="body") == ["other field"]
+
+
+def test_loading_errors_are_one_line(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_text(str(tmp_path / "nope.txt"))
+    bad = tmp_path / "corpus.jsonl"
+    bad.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    with pytest.raises(ValueError, match=r"corpus\.jsonl:2 has no field 'text'"):
+        load_text(str(bad))
+    bad.write_text('{"text": "fine"}\n\n{"text": broken\n')
+    with pytest.raises(ValueError, match=r"corpus\.jsonl:3 is not valid JSON"):
+        load_text(str(bad))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"holds no \.txt/\.md/\.jsonl files"):
+        load_text(str(tmp_path / "empty"))
+
+
+def test_tokenize_joins_documents_with_eos() -> None:
+    tokenizer = ByteTokenizer()
+    assert tokenize_corpus(["ab", "c"], tokenizer).tolist() == [256, 97, 98, 257, 256, 99, 257]
+    assert tokenize_corpus("ab", tokenizer).tolist() == [256, 97, 98, 257]
+    built = build_dataset("x" * 500, tokenizer, seq_len=8, batch_size=2, rank=0, world_size=1, seed=0)
+    inputs, targets = built.next_batch()
+    assert inputs.shape == targets.shape == (2, 8) and inputs.dtype == torch.int64
+
+
+def test_batches_are_shifted_windows_and_deterministic() -> None:
+    tokens = torch.arange(10_000)
+    a, b, other_seed = dataset(tokens), dataset(tokens), dataset(tokens, seed=4)
+    differs = False
+    for _ in range(5):
+        inputs, targets = a.next_batch()
+        assert inputs.shape == (4, 16)
+        # Each row is a window of the stream starting at a multiple of seq_len; targets one ahead.
+        assert torch.equal(targets, inputs + 1) and torch.all(inputs[:, 0] % 16 == 0)
+        assert torch.equal(inputs, b.next_batch()[0])
+        differs |= not torch.equal(inputs, other_seed.next_batch()[0])
+    assert differs
+
+
+def test_ranks_share_each_epoch_disjointly() -> None:
+    tokens = torch.arange(16 * 4 * 3 * 5 + 7)  # 5 steps per epoch for 3 ranks, a ragged tail
+    ranks = [dataset(tokens, rank=r, world_size=3) for r in range(3)]
+    assert ranks[0].steps_per_epoch == 5
+    epochs = []
+    for _ in range(2):
+        seen = [[], [], []]
+        for _ in range(5):
+            for r, data in enumerate(ranks):
+                seen[r] += data.next_batch()[0][:, 0].tolist()
+        flat = [s for rank_seen in seen for s in rank_seen]
+        assert len(flat) == len(set(flat)) == 60  # no window twice in an epoch, on any rank
+        epochs.append(flat)
+    assert epochs[0] != epochs[1]  # a new order each epoch
+
+
+def test_resume_gives_the_same_batches() -> None:
+    tokens = torch.arange(10_000)
+    data = dataset(tokens, rank=1, world_size=2)
+    for _ in range(data.steps_per_epoch + 2):  # past an epoch boundary
+        data.next_batch()
+    state = data.state_dict()
+    assert state == {"epoch": 1, "step": 2}
+    resumed = dataset(tokens, rank=1, world_size=2)
+    resumed.load_state_dict(json.loads(json.dumps(state)))  # as meta.json stores it
+    for _ in range(data.steps_per_epoch + 1):
+        assert torch.equal(data.next_batch()[0], resumed.next_batch()[0])
+    with pytest.raises(ValueError, match="past this corpus"):
+        resumed.load_state_dict({"epoch": 0, "step": 10_000})
+
+
+def test_too_small_corpus_says_how_many_tokens() -> None:
+    # One step over 2 ranks needs 2 * 4 windows of 16 tokens plus the last target.
+    with pytest.raises(ValueError, match=r"has 100 tokens but one step over 2 rank\(s\) needs 129"):
+        dataset(torch.arange(100), world_size=2)
+    dataset(torch.arange(129), world_size=2).next_batch()
+    with pytest.raises(ValueError, match="rank"):
+        dataset(torch.arange(1000), rank=2, world_size=2)
