@@ -25,6 +25,9 @@ from model.args import ModelArgs, RopeScaling
 
 FORMAT_VERSION = 1
 STEP_PREFIX = "step_"
+# Model args that do not change what the saved weights mean: a name, how weights are initialised, and
+# how they are run.
+NOT_COMPARED = ("name", "init_std", "fp8")
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -92,12 +95,15 @@ def save_checkpoint(
     data_state: dict[str, Any] | None = None,
     keep: int = 2,
 ) -> Path:
-    """Write the checkpoint of `step` atomically and keep only the newest `keep` ones."""
+    """Write the checkpoint of `step` atomically and keep only the newest `keep` ones. Call it from
+    one process per run directory (rank 0): temporary directories of other saves count as crashed."""
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{STEP_PREFIX}{step:08d}"
+    # One process saves a run: a temporary directory left here is a save that crashed; remove it.
+    for stale in root.glob(f"{STEP_PREFIX}*.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f"{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_file(model_state(model), str(tmp / "model.safetensors"))
     train_tensors = rng_tensors()
@@ -117,7 +123,8 @@ def save_checkpoint(
     for file in tmp.iterdir():
         with open(file, "rb") as handle:
             os.fsync(handle.fileno())
-    if final.exists():  # re-saving the same step: move the old one aside only once the new one is complete
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving the same step: the old copy goes only once the new one is complete
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
@@ -134,9 +141,15 @@ def read_meta(path: str | Path) -> dict[str, Any]:
 
 
 def read_model_args(path: str | Path) -> ModelArgs:
-    raw = read_meta(path)["model_args"]
+    raw = read_meta(path).get("model_args")
     if raw is None:
         raise ValueError(f"{path}/meta.json records no model args")
+    unknown = sorted(set(raw) - {f.name for f in dataclasses.fields(ModelArgs)})
+    if unknown:
+        raise ValueError(
+            f"{path}/meta.json has model args this weft does not know ({', '.join(unknown)}): "
+            "load it with the weft version that wrote it"
+        )
     scaling = raw.pop("rope_scaling", None)
     return ModelArgs(**raw, rope_scaling=RopeScaling(**scaling) if scaling else None)
 
@@ -165,12 +178,51 @@ def _check_model_args(path: Path, saved: dict[str, Any] | None, model: torch.nn.
     if saved is None or not hasattr(model, "args"):
         return
     current = dataclasses.asdict(model.args)
-    differ = [k for k in saved if k not in ("name", "fp8") and current.get(k) != saved[k]]
+    differ = [k for k in saved if k not in NOT_COMPARED and current.get(k) != saved[k]]
     if differ:
         detail = ", ".join(f"{k}: saved {saved[k]} vs configured {current.get(k)}" for k in differ[:4])
         raise ValueError(
             f"checkpoint {path} was saved for another model shape ({detail}): use its model preset"
         )
+
+
+def _load_optimizer(
+    path: Path, optimizer: torch.optim.Optimizer, meta: dict[str, Any], train: dict[str, torch.Tensor]
+) -> None:
+    if "optimizer" not in meta:
+        raise ValueError(f"checkpoint {path} holds no optimizer state: it cannot resume training")
+    saved = meta["optimizer"]
+    state: dict[int, dict[str, Any]] = {}
+    for key, tensor in train.items():
+        if key.startswith("optim."):
+            _, index, name = key.split(".", 2)
+            state.setdefault(int(index), {})[name] = tensor
+    for key, value in saved["scalars"].items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    saved_count = sum(len(group["params"]) for group in saved["param_groups"])
+    wrong = [
+        f"optim.{index}.{name} {tuple(value.shape)} vs {tuple(params[index].shape)}"
+        for index, values in sorted(state.items())
+        if index < len(params)
+        for name, value in values.items()
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[index].shape
+    ]
+    detail = None
+    if wrong:
+        detail = f"mis-shaped: {', '.join(wrong[:4])}"
+    elif saved_count != len(params) or len(saved["param_groups"]) != len(optimizer.param_groups):
+        detail = (
+            f"{saved_count} parameters in {len(saved['param_groups'])} groups saved, "
+            f"{len(params)} in {len(optimizer.param_groups)} now"
+        )
+    if detail is not None:
+        raise ValueError(
+            f"checkpoint {path} holds optimizer state for other parameters ({detail}): "
+            "resume with the optimizer settings it was saved with"
+        )
+    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
 
 
 def load_checkpoint(
@@ -186,18 +238,7 @@ def load_checkpoint(
     copy_state_into(model, load_model_state(path), source=str(path))
     train = load_file(str(path / "train_state.safetensors"))
     if optimizer is not None:
-        if "optimizer" not in meta:
-            raise ValueError(f"checkpoint {path} holds no optimizer state: it cannot resume training")
-        saved = meta["optimizer"]
-        state: dict[int, dict[str, Any]] = {}
-        for key, tensor in train.items():
-            if key.startswith("optim."):
-                _, index, name = key.split(".", 2)
-                state.setdefault(int(index), {})[name] = tensor
-        for key, value in saved["scalars"].items():
-            index, name = key.split(".", 1)
-            state.setdefault(int(index), {})[name] = value
-        optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+        _load_optimizer(path, optimizer, meta, train)
     if scheduler is not None and meta.get("scheduler") is not None:
         scheduler.load_state_dict(meta["scheduler"])
     torch.set_rng_state(train["rng.torch"])
