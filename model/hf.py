@@ -43,28 +43,43 @@ def is_hf_checkpoint(path: str | Path) -> bool:
 
 
 def args_from_hf_config(cfg: dict) -> ModelArgs:
+    """weft's ModelArgs for a Hugging Face Llama config.json (transformers 4's rope_theta/rope_scaling
+    or transformers 5's rope_parameters); a config weft cannot run exactly fails with the reason."""
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+    absent = [key for key in required if key not in cfg]
+    if absent:
+        raise ValueError(f"config.json lacks {', '.join(absent)}: is this a Llama config?")
     dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     if cfg.get("head_dim") not in (None, dim // heads):
         raise ValueError(
-            f"head_dim {cfg['head_dim']} != hidden_size / num_attention_heads: weft cannot run this model"
+            f"head_dim {cfg['head_dim']} != hidden_size / num_attention_heads = {dim // heads}: "
+            "weft cannot run this model"
         )
+    unsupported = [
+        f"{key}={cfg[key]}"
+        for key, fine in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu"))
+        if cfg.get(key, fine) != fine
+    ]
+    if unsupported:
+        raise ValueError(f"{', '.join(unsupported)} in config.json: weft's Llama has no biases and uses SiLU")
     # transformers 4 writes rope_theta and rope_scaling; transformers 5 one rope_parameters dict.
     raw = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
     theta = cfg.get("rope_theta", raw.get("rope_theta", 10000.0))
     scaling = None
-    if raw:
-        kind = raw.get("rope_type", raw.get("type", "default"))
-        if kind == "llama3":
-            scaling = RopeScaling(
-                factor=raw["factor"],
-                low_freq_factor=raw["low_freq_factor"],
-                high_freq_factor=raw["high_freq_factor"],
-                original_max_position=raw["original_max_position_embeddings"],
-            )
-        elif kind != "default":
-            raise ValueError(f"rope_scaling type {kind!r} is not supported (weft knows llama3 scaling)")
+    kind = raw.get("rope_type", raw.get("type", "default"))
+    if kind == "llama3":
+        scaling = RopeScaling(
+            factor=raw["factor"],
+            low_freq_factor=raw["low_freq_factor"],
+            high_freq_factor=raw["high_freq_factor"],
+            original_max_position=raw["original_max_position_embeddings"],
+        )
+    elif kind != "default":
+        raise ValueError(
+            f"rope_scaling type {kind!r} is not supported: weft knows plain RoPE and llama3 scaling"
+        )
     return ModelArgs(
-        name=cfg.get("_name_or_path") or "hf",
+        name="hf",
         dim=dim,
         n_layers=cfg["num_hidden_layers"],
         n_heads=heads,
@@ -77,6 +92,37 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         max_seq_len=cfg.get("max_position_embeddings", 2048),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
     )
+
+
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the tensors a weft checkpoint of `args` holds (a tied output omitted)."""
+    from model.llama import Llama
+
+    with torch.device("meta"):
+        model = Llama(args)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if args.tie_embeddings:
+        shapes.pop("output.weight")
+    return shapes
+
+
+def check_state(state: dict[str, torch.Tensor], args: ModelArgs, source: str) -> None:
+    """One-line ValueError naming the first missing, unexpected or mis-shaped tensors."""
+    expected = expected_shapes(args)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = sorted(
+        f"{k} {tuple(state[k].shape)} vs {expected[k]}"
+        for k in set(expected) & set(state)
+        if tuple(state[k].shape) != expected[k]
+    )
+    if missing or unexpected or wrong:
+        problems = (("missing", missing), ("unexpected", unexpected), ("mis-shaped", wrong))
+        details = "; ".join(f"{label}: {', '.join(names[:4])}" for label, names in problems if names)
+        raise ValueError(
+            f"{source} does not match its config.json ({details}): the checkpoint is incomplete or not "
+            "a plain Llama"
+        )
 
 
 def rotate_half_to_interleaved(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -109,25 +155,38 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_hf_checkpoint(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    """(model args, weft state dict) of a Hugging Face Llama directory."""
+    """(model args, weft state dict) of a Hugging Face Llama directory: names mapped, q/k rows put back
+    in weft's interleaved rotary order, every tensor checked against the config's shapes."""
     path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: give a Hugging Face model directory")
     args = args_from_hf_config(json.loads((path / "config.json").read_text()))
-    state = {}
-    for hf_name, tensor in read_safetensors(path).items():
-        if hf_name.endswith("rotary_emb.inv_freq"):
+    state, unknown = {}, []
+    for name, tensor in read_safetensors(path).items():
+        if name.endswith("rotary_emb.inv_freq"):
             continue
-        state[weft_name(hf_name)] = tensor
+        ours = weft_name(name)
+        if ours is None:
+            unknown.append(name)
+        else:
+            state[ours] = tensor
+    if unknown:
+        raise ValueError(
+            f"{path} holds tensors a Llama does not have ({', '.join(sorted(unknown)[:4])}): "
+            "is this a plain Llama checkpoint?"
+        )
+    if args.tie_embeddings:
+        state.pop("output.weight", None)  # some tied checkpoints store lm_head anyway
+    check_state(state, args, str(path))
     for i in range(args.n_layers):
         q, k = f"layers.{i}.attention.wq.weight", f"layers.{i}.attention.wk.weight"
-        if q in state and k in state:
-            state[q] = rotate_half_to_interleaved(state[q], args.n_heads)
-            state[k] = rotate_half_to_interleaved(state[k], args.n_kv_heads)
-    if args.tie_embeddings:
-        state.pop("output.weight", None)
+        state[q] = rotate_half_to_interleaved(state[q], args.n_heads)
+        state[k] = rotate_half_to_interleaved(state[k], args.n_kv_heads)
     return args, state
 
 
-def weft_name(hf_name: str) -> str:
+def weft_name(hf_name: str) -> str | None:
+    """weft's name for a Hugging Face Llama tensor name; None for a name a Llama does not have."""
     stem, _, suffix = hf_name.rpartition(".")
     if stem in TOP_NAMES:
         return f"{TOP_NAMES[stem]}.{suffix}"
@@ -136,7 +195,7 @@ def weft_name(hf_name: str) -> str:
         inner = ".".join(parts[3:])
         if inner in LAYER_NAMES:
             return f"layers.{parts[2]}.{LAYER_NAMES[inner]}.{suffix}"
-    raise ValueError(f"unexpected tensor {hf_name!r} in a Llama checkpoint: is this a Llama model?")
+    return None
 
 
 def hf_name(name: str) -> str:
@@ -167,6 +226,8 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, tokenizer: Tokenizer | None) 
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
+        # transformers >= 4.56 reads `dtype`, older versions `torch_dtype`.
+        "dtype": str(dtype).removeprefix("torch."),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     if args.rope_scaling is not None:
@@ -183,7 +244,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, tokenizer: Tokenizer | None) 
 
 
 def export_hf(
-    model: torch.nn.Module,
+    model_or_state_dict: torch.nn.Module | dict[str, torch.Tensor],
     args: ModelArgs,
     out_dir: str | Path,
     tokenizer: Tokenizer | None = None,
@@ -191,15 +252,22 @@ def export_hf(
     max_shard_bytes: int = 5 * 10**9,
     overwrite: bool = False,
 ) -> Path:
-    """Write `model` as a Hugging Face Llama directory (atomically: a temporary directory renamed)."""
+    """Write a weft model (or its state dict) as a Hugging Face Llama directory that `transformers`
+    loads: config.json, generation_config.json, safetensors (sharded with an index above
+    `max_shard_bytes`) and the tokenizer's files. Atomic: written in a temporary directory, then
+    renamed; an existing non-empty `out_dir` is refused unless `overwrite`."""
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(
             f"{out} exists and is not empty: choose another directory or pass overwrite=True"
         )
-    state = {k: v for k, v in model.state_dict().items()}
+    if isinstance(model_or_state_dict, torch.nn.Module):
+        state = dict(model_or_state_dict.state_dict())
+    else:
+        state = dict(model_or_state_dict)
     if args.tie_embeddings:
         state.pop("output.weight", None)
+    check_state(state, args, "the model to export")
     tensors = {}
     for name, tensor in state.items():
         if name.endswith("attention.wq.weight"):

@@ -1,7 +1,8 @@
 """Parity with `transformers`: a random Llama (GQA, Llama-3.1 rope scaling, a shape no preset has)
 loaded through the Hugging Face directory path gives the same logits and greedy tokens; weft's export
-loads back into `transformers` with the same logits."""
+loads back into `transformers` with the same logits; configs weft cannot run fail with the reason."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -10,10 +11,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from model.args import ModelArgs, RopeScaling  # noqa: E402
+from model.checkpoint import save_checkpoint  # noqa: E402
 from model.generate import generate  # noqa: E402
-from model.hf import export_hf, load_hf_checkpoint  # noqa: E402
+from model.hf import args_from_hf_config, export_hf, is_hf_checkpoint, load_hf_checkpoint  # noqa: E402
 from model.llama import Llama  # noqa: E402
 from model.loading import load_weights_into  # noqa: E402
+from model.tokenizer import ByteTokenizer, load_tokenizer  # noqa: E402
+from tests.test_tokenizer import write_hf_tokenizer  # noqa: E402
 
 HF_CONFIG = dict(
     hidden_size=96,
@@ -61,13 +65,14 @@ def test_hf_directory_matches_transformers(tmp_path: Path, shard: bool) -> None:
         tmp_path, safe_serialization=True, **({"max_shard_size": "100KB"} if shard else {})
     )
     assert (tmp_path / "model.safetensors.index.json").is_file() == shard
+    assert is_hf_checkpoint(tmp_path)
     model = weft_from_dir(tmp_path)
     tokens = torch.randint(0, 300, (2, 40))
     with torch.no_grad():
         ours, theirs = model(tokens), reference(tokens).logits
     assert (ours - theirs).abs().max().item() <= 1e-4
 
-    prompt = tokens[:1, :8]
+    prompt = tokens[:, :8]  # two rows decoded together through weft's KV cache
     new = generate(model, prompt, max_new_tokens=32, cuda_graph=False)
     expected = reference.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)[:, 8:]
     assert torch.equal(new, expected)
@@ -109,3 +114,103 @@ def test_hf_directory_with_missing_tensor_fails_clearly(tmp_path: Path) -> None:
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"missing: layers\.1\.feed_forward\.w3\.weight"):
         weft_from_dir(tmp_path)
+
+
+def test_tied_hf_model_matches_transformers(tmp_path: Path) -> None:
+    reference = hf_model(tie_word_embeddings=True)
+    reference.save_pretrained(tmp_path, safe_serialization=True)
+    model = weft_from_dir(tmp_path)
+    assert model.args.tie_embeddings
+    tokens = torch.randint(0, 300, (2, 24))
+    with torch.no_grad():
+        assert (model(tokens) - reference(tokens).logits).abs().max().item() <= 1e-4
+
+
+def test_sharded_export_of_a_state_dict_round_trips(tmp_path: Path) -> None:
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=120, ffn_hidden=160)
+    model = Llama(args)
+    model.init_weights()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    out = export_hf(state, args, tmp_path / "hf", dtype=torch.float32, max_shard_bytes=60_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    # Back through weft's loader: the same tensors (q/k permuted there and back), the same shape.
+    loaded_args, loaded = load_hf_checkpoint(out)
+    assert loaded.keys() == state.keys()
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    assert (loaded_args.dim, loaded_args.n_kv_heads, loaded_args.rope_theta) == (64, 2, args.rope_theta)
+    # And through transformers.
+    reference = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    tokens = torch.randint(0, 120, (2, 16))
+    with torch.no_grad():
+        assert (model(tokens) - reference(tokens).logits).abs().max().item() <= 1e-4
+
+
+def test_export_writes_config_tokenizer_and_refuses_overwrite(tmp_path: Path) -> None:
+    args = ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=400, ffn_hidden=48)
+    model = Llama(args)
+    model.init_weights()
+    tokenizer = load_tokenizer(write_hf_tokenizer(tmp_path / "tok"))
+    out = export_hf(model, args, tmp_path / "hf", tokenizer=tokenizer)
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
+    assert config["dtype"] == "bfloat16" and (config["bos_token_id"], config["eos_token_id"]) == (0, 1)
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (0, 1)
+    assert load_tokenizer(out).encode("the fox") == tokenizer.encode("the fox")
+    assert not any(".tmp-" in p.name for p in tmp_path.iterdir())
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        export_hf(model, args, out)
+    export_hf(model, args, out, tokenizer=ByteTokenizer(), overwrite=True)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (256, 257)
+    assert not (out / "tokenizer.json").exists()
+    with pytest.raises(ValueError, match=r"missing: norm\.weight"):
+        export_hf({k: v for k, v in model.state_dict().items() if k != "norm.weight"}, args, tmp_path / "x")
+
+
+def test_config_variants_and_unsupported_configs() -> None:
+    v4 = {**HF_CONFIG, "rope_scaling": {**HF_CONFIG["rope_scaling"], "type": "llama3"}}
+    del v4["rope_scaling"]["rope_type"]
+    v5 = {k: v for k, v in HF_CONFIG.items() if k not in ("rope_theta", "rope_scaling")}
+    v5["rope_parameters"] = {**HF_CONFIG["rope_scaling"], "rope_theta": 10000.0}
+    args = args_from_hf_config(v4)
+    assert args == args_from_hf_config(v5)
+    assert args.rope_scaling == RopeScaling(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=64
+    )
+    assert (args.name, args.dim, args.n_heads, args.n_kv_heads, args.max_seq_len) == ("hf", 96, 6, 2, 256)
+    plain = args_from_hf_config({**v5, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})
+    assert plain.rope_scaling is None and plain.rope_theta == 5e5
+
+    for change, reason in [
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
+        ({"head_dim": 32}, "head_dim 32 != hidden_size / num_attention_heads = 16"),
+        ({"attention_bias": True}, "attention_bias=True"),
+        ({"hidden_act": "gelu"}, "hidden_act=gelu"),
+    ]:
+        with pytest.raises(ValueError, match=reason):
+            args_from_hf_config({**HF_CONFIG, **change})
+    with pytest.raises(ValueError, match="lacks intermediate_size"):
+        args_from_hf_config({k: v for k, v in HF_CONFIG.items() if k != "intermediate_size"})
+
+
+def test_hf_directory_checks(tmp_path: Path) -> None:
+    hf_model().save_pretrained(tmp_path / "hf", safe_serialization=True)
+    from safetensors.torch import load_file, save_file
+
+    file = tmp_path / "hf" / "model.safetensors"
+    state = load_file(str(file))
+    state["model.layers.0.self_attn.q_proj.weight"] = state["model.layers.0.self_attn.q_proj.weight"][:8]
+    state["model.vision_tower.weight"] = torch.zeros(1)
+    save_file(state, str(file), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"a Llama does not have \(model\.vision_tower\.weight\)"):
+        load_hf_checkpoint(tmp_path / "hf")
+    del state["model.vision_tower.weight"]
+    save_file(state, str(file), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"mis-shaped: layers\.0\.attention\.wq\.weight \(8, 96\)"):
+        load_hf_checkpoint(tmp_path / "hf")
+    weft_run = tmp_path / "run"
+    save_checkpoint(weft_run, 1, Llama(ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2)))
+    assert not is_hf_checkpoint(weft_run / "checkpoints" / "step_00000001")
+    assert not is_hf_checkpoint(tmp_path)
