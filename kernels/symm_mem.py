@@ -1,0 +1,358 @@
+"""Shared symmetric-memory plumbing for weft's communication kernels (all-reduce, and later
+all-gather-matmul, matmul-reduce-scatter, Ulysses all-to-all).
+
+Host side
+---------
+* `get_symm_buffer(group, nbytes, dtype)`: a symmetric buffer per (group name, size class, dtype, tag),
+  allocated once with `torch.distributed._symmetric_memory.empty` and rendezvoused, with its device
+  pointer tables (`buffer_ptrs_dev`, `signal_pad_ptrs_dev`), a per-rank epoch array and a status word.
+* `check_group(group)`: every rank of the group on one host with peer access to the others; a clear
+  error otherwise (symmetric memory is NVLink/P2P memory: it cannot span nodes).
+* `check_status(buf, op)`: raises `SymmMemTimeout` naming rank, op, barrier and the missing peer when a
+  kernel's bounded wait gave up. Kernels never raise; they record and return.
+
+Device side: the barrier protocol (epochs)
+-----------------------------------------
+Every rank keeps `epoch[MAX_BLOCKS]` (int32, local) beside each buffer. A kernel's program `pid` reads
+`e = epoch[pid]` at entry; a barrier `bar` then means: write `e + 1` into flag (bar, pid, my rank) of
+every peer's signal pad (release, system scope) and wait until flag (bar, pid, r) of my own pad is
+`>= e + 1` for every rank r (acquire, bounded). At exit the programs together write `e + 1` into all
+`MAX_BLOCKS` epoch slots (`advance_epoch`), so every slot holds the number of calls made so far
+whatever grid each call used. Flags only ever grow, so pads are never reset, and the state lives on
+the device: a CUDA graph replayed any number of times, mixed with eager calls, keeps working.
+Program `pid` only synchronizes with program `pid` of the peers, so a kernel must give program `pid`
+the same slice of the data on every rank. The `>=` (on the signed difference, so wrap-around is
+harmless) lets a fast peer already be one call ahead.
+
+Every kernel that uses a buffer's pads must follow this protocol (read its epoch slot at entry, call
+`advance_epoch` at exit, use barrier ids below `NUM_BARRIERS`); kernels of different kinds can then
+share one buffer.
+
+Bounded waits: a wait gives up after `timeout_ns` (read from `%globaltimer`), records
+(1, op id, barrier, missing rank) in the status word and returns; later waits on that buffer see the
+status set and do not spin, so a lost peer costs one timeout, not one per call.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+MAX_WORLD = tl.constexpr(8)  # flag stride per (barrier, program); world sizes up to 8 (one node)
+MAX_BLOCKS = tl.constexpr(64)  # programs per kernel launch that may take part in barriers
+NUM_BARRIERS = tl.constexpr(4)  # distinct barrier ids per kernel
+# 8 KiB of flags; torch's default signal pad is 9216 bytes.
+PAD_INT32S = NUM_BARRIERS.value * MAX_BLOCKS.value * MAX_WORLD.value
+DEFAULT_TIMEOUT_S = float(os.environ.get("WEFT_SYMM_MEM_TIMEOUT_S", "30"))
+MIN_SIZE_CLASS = 1 << 20
+
+_OPS: list[str] = []
+
+
+def op_id(name: str) -> int:
+    """A small integer naming an op in the status word (registered on first use, 1-based)."""
+    if name not in _OPS:
+        _OPS.append(name)
+    return _OPS.index(name) + 1
+
+
+def op_name(op: int) -> str:
+    return _OPS[op - 1] if 0 < op <= len(_OPS) else f"op#{op}"
+
+
+class SymmMemError(RuntimeError):
+    """A group that symmetric-memory kernels cannot serve (spans nodes, no peer access, ...)."""
+
+
+class SymmMemTimeout(RuntimeError):
+    """A kernel's bounded wait for a peer gave up."""
+
+
+# ----------------------------------------------------------------------------------------- host
+
+
+def size_class(nbytes: int) -> int:
+    """Bytes allocated for a request of `nbytes`: the next power of two, at least 1 MiB."""
+    if nbytes <= 0:
+        raise ValueError(f"size must be positive, got {nbytes}")
+    return max(MIN_SIZE_CLASS, 1 << (nbytes - 1).bit_length())
+
+
+def node_info() -> dict[str, object]:
+    """What this process tells its group for the one-node check."""
+    dev = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(dev)
+    uuid = str(getattr(props, "uuid", ""))
+    return {"host": socket.gethostname(), "boot": _boot_id(), "device": dev, "uuid": uuid}
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def check_single_node(infos: list[dict[str, object]], rank: int, what: str = "symmetric memory") -> None:
+    """Raise `SymmMemError` unless every rank's (host, boot id) equals this rank's. Pure: CPU-testable."""
+    mine = (infos[rank]["host"], infos[rank]["boot"])
+    others = [r for r, i in enumerate(infos) if (i["host"], i["boot"]) != mine]
+    if others:
+        hosts = sorted({str(i["host"]) for i in infos})
+        raise SymmMemError(
+            f"rank {rank}: {what} needs every rank of the group on one node (NVLink peers), but the "
+            f"group spans hosts {hosts} (ranks {others} are not on {mine[0]}). Use a group inside one "
+            f"node (tensor parallel within a node), or the torch/NCCL path."
+        )
+    uuids = [i["uuid"] for i in infos if i["uuid"]]
+    if len(set(uuids)) != len(uuids):
+        raise SymmMemError(
+            f"rank {rank}: two ranks of the group share one GPU ({uuids}); {what} needs one GPU each"
+        )
+
+
+def check_peer_access(infos: list[dict[str, object]], rank: int, can_access=None) -> None:
+    """Raise `SymmMemError` if this rank's GPU cannot map a peer's GPU (visible device indices only)."""
+    if can_access is None:
+        can_access = torch.cuda.can_device_access_peer
+    me = int(infos[rank]["device"])
+    visible = torch.cuda.device_count() if can_access is torch.cuda.can_device_access_peer else 1 << 30
+    for r, info in enumerate(infos):
+        dev = int(info["device"])
+        if r == rank or dev == me or dev >= visible:
+            continue
+        if not can_access(me, dev):
+            raise SymmMemError(
+                f"rank {rank}: GPU {me} has no peer access to GPU {dev} (rank {r}); symmetric-memory "
+                f"kernels need NVLink/P2P between every pair of the group's GPUs"
+            )
+
+
+_CHECKED: set[str] = set()
+
+
+def check_group(group: dist.ProcessGroup) -> None:
+    """One-node + peer-access check for `group` (collective over the group; cached per group name)."""
+    name = group.group_name
+    if name in _CHECKED:
+        return
+    infos: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(infos, node_info(), group=group)
+    rank = dist.get_rank(group)
+    check_single_node(infos, rank)
+    check_peer_access(infos, rank)
+    _CHECKED.add(name)
+
+
+@dataclass
+class SymmBuffer:
+    """One rendezvoused symmetric allocation plus the state its kernels need."""
+
+    group_name: str
+    rank: int
+    world_size: int
+    nbytes: int  # usable bytes starting at `tensor`
+    dtype: torch.dtype
+    tensor: torch.Tensor  # uint8 [nbytes], this rank's view
+    handle: object  # torch _SymmetricMemory
+    buffer_ptrs_dev: int  # device address of world_size uint64 buffer base addresses
+    signal_pad_ptrs_dev: int  # device address of world_size uint64 signal pad addresses
+    base_offset: int  # bytes from the handle's buffer base to `tensor`
+    epoch: torch.Tensor  # int32 [MAX_BLOCKS], local
+    status: torch.Tensor  # int32 [4]: (timed out, op id, barrier, missing rank)
+
+    def view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's buffer, `numel` elements of `dtype` from byte `offset`."""
+        size = numel * torch.empty((), dtype=dtype).element_size()
+        if offset < 0 or offset + size > self.nbytes:
+            raise ValueError(f"view [{offset}, {offset + size}) outside the {self.nbytes}-byte buffer")
+        return self.tensor[offset : offset + size].view(dtype)
+
+
+_CACHE: dict[tuple[str, int, torch.dtype, str], SymmBuffer] = {}
+
+
+def get_symm_buffer(
+    group: dist.ProcessGroup, nbytes: int, dtype: torch.dtype = torch.uint8, tag: str = ""
+) -> SymmBuffer:
+    """The cached symmetric buffer of at least `nbytes` for (group, size class, dtype, tag); the first
+    call for a key allocates and rendezvouses (collective: every rank of the group must call it)."""
+    from torch.distributed import _symmetric_memory as symm
+
+    key = (group.group_name, size_class(nbytes), dtype, tag)
+    buf = _CACHE.get(key)
+    if buf is not None:
+        return buf
+    check_group(group)
+    device = torch.device("cuda", torch.cuda.current_device())
+    tensor = symm.empty(key[1], dtype=torch.uint8, device=device)
+    handle = symm.rendezvous(tensor, group.group_name)
+    rank, world = handle.rank, handle.world_size
+    base_offset = 0
+    ptrs = getattr(handle, "buffer_ptrs", None)
+    if ptrs:
+        base_offset = tensor.data_ptr() - int(ptrs[rank])
+    pad = handle.get_signal_pad(rank, (PAD_INT32S,), dtype=torch.int32)
+    pad.zero_()
+    buf = SymmBuffer(
+        group_name=group.group_name,
+        rank=rank,
+        world_size=world,
+        nbytes=key[1],
+        dtype=dtype,
+        tensor=tensor,
+        handle=handle,
+        buffer_ptrs_dev=int(handle.buffer_ptrs_dev),
+        signal_pad_ptrs_dev=int(handle.signal_pad_ptrs_dev),
+        base_offset=base_offset,
+        epoch=torch.zeros(MAX_BLOCKS.value, dtype=torch.int32, device=device),
+        status=torch.zeros(4, dtype=torch.int32, device=device),
+    )
+    torch.cuda.synchronize()
+    dist.barrier(group=group)  # every pad zeroed before anyone signals
+    _CACHE[key] = buf
+    return buf
+
+
+def describe_status(status: list[int], rank: int, group_name: str) -> str | None:
+    """The error text for a status word, or None when it is clear. Pure: CPU-testable."""
+    if not status[0]:
+        return None
+    return (
+        f"rank {rank}: {op_name(status[1])} timed out at barrier {status[2]} waiting for rank "
+        f"{status[3]} of group {group_name!r} (a peer never arrived: it crashed, hung, or took another "
+        f"code path). The group's symmetric-memory state is now unusable; tear the group down."
+    )
+
+
+def check_status(buf: SymmBuffer, op: str | None = None) -> None:
+    """Raise `SymmMemTimeout` if a kernel on `buf` recorded a timeout (synchronizes the device)."""
+    message = describe_status(buf.status.tolist(), buf.rank, buf.group_name)
+    if message is not None:
+        raise SymmMemTimeout(message if op is None else f"{message} [checked by {op}]")
+
+
+# --------------------------------------------------------------------------------------- device
+
+
+@triton.jit
+def flag_index(bar: tl.constexpr, pid, src):
+    """int32 offset of flag (barrier, program, source rank) inside a signal pad."""
+    return (bar * MAX_BLOCKS + pid) * MAX_WORLD + src
+
+
+@triton.jit
+def load_epoch(epoch_ptr, pid):
+    """This program's epoch: the number of calls made on the buffer so far."""
+    return tl.load(epoch_ptr + pid, volatile=True)
+
+
+@triton.jit
+def advance_epoch(epoch_ptr, pid, epoch):
+    """Every program writes epoch + 1 into its slots pid, pid + nprog, ...: all MAX_BLOCKS slots advance."""
+    nprog = tl.num_programs(0)
+    for j in range(pid, MAX_BLOCKS, nprog):
+        tl.store(epoch_ptr + j, epoch + 1)
+
+
+@triton.jit
+def _spin_until(addrs, target, timeout_ns):
+    """Per element: spin (ld.acquire.sys) until *addr - target >= 0 (signed) or timeout_ns pass.
+    Returns 0 when reached, 1 on timeout."""
+    return tl.inline_asm_elementwise(
+        """
+        {
+        .reg .pred %p<2>;
+        .reg .s32 %v;
+        .reg .u64 %t0, %t1;
+        mov.u64 %t0, %globaltimer;
+        mov.u32 $0, 0;
+        L_spin:
+        ld.acquire.sys.global.u32 %v, [$1];
+        sub.s32 %v, %v, $2;
+        setp.ge.s32 %p0, %v, 0;
+        @%p0 bra L_done;
+        mov.u64 %t1, %globaltimer;
+        sub.u64 %t1, %t1, %t0;
+        setp.lt.u64 %p1, %t1, $3;
+        @%p1 bra L_spin;
+        mov.u32 $0, 1;
+        L_done:
+        }
+        """,
+        "=r,l,r,l",
+        [addrs, target, timeout_ns],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def signal_peers(pad_ptrs, bar: tl.constexpr, pid, value, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Write `value` into flag (bar, pid, RANK) of every rank's pad (release, system scope). All this
+    program's earlier writes must be done: call after `tl.debug_barrier()`."""
+    ranks = tl.arange(0, WORLD)
+    pads = tl.load(pad_ptrs.to(tl.pointer_type(tl.uint64)) + ranks).to(tl.pointer_type(tl.int32))
+    tl.atomic_xchg(
+        pads + flag_index(bar, pid, RANK), tl.full([WORLD], 0, tl.int32) + value, sem="release", scope="sys"
+    )
+
+
+@triton.jit
+def wait_peers(
+    pad_ptrs,
+    bar: tl.constexpr,
+    pid,
+    value,
+    status_ptr,
+    op: tl.constexpr,
+    timeout_ns,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+):
+    """Wait (acquire, bounded) until flag (bar, pid, r) of this rank's pad reached `value` for every
+    rank r; on timeout record (1, op, bar, r) in the status word. Ends with a CTA barrier, so every
+    thread of the program may then read what the peers wrote before signalling."""
+    ranks = tl.arange(0, WORLD)
+    mine = tl.load(pad_ptrs.to(tl.pointer_type(tl.uint64)) + RANK).to(tl.pointer_type(tl.int32))
+    failed = tl.load(status_ptr, volatile=True)
+    if failed == 0:
+        late = _spin_until(
+            mine + flag_index(bar, pid, ranks),
+            tl.full([WORLD], 0, tl.int32) + value,
+            tl.full([WORLD], 0, tl.int64) + timeout_ns,
+        )
+        missing = tl.max(tl.where(late != 0, ranks, -1), axis=0)
+        if missing >= 0:
+            tl.store(status_ptr + 1, op)
+            tl.store(status_ptr + 2, bar)
+            tl.store(status_ptr + 3, missing)
+            tl.atomic_xchg(status_ptr, 1)
+    tl.debug_barrier()
+
+
+@triton.jit
+def barrier(
+    pad_ptrs,
+    bar: tl.constexpr,
+    pid,
+    value,
+    status_ptr,
+    op: tl.constexpr,
+    timeout_ns,
+    RANK: tl.constexpr,
+    WORLD: tl.constexpr,
+):
+    """Program `pid` of every rank meets here: this program's writes (local or remote) before the call
+    are visible to program `pid` of every peer after it, and vice versa."""
+    tl.debug_barrier()
+    signal_peers(pad_ptrs, bar, pid, value, RANK, WORLD)
+    wait_peers(pad_ptrs, bar, pid, value, status_ptr, op, timeout_ns, RANK, WORLD)
