@@ -158,15 +158,26 @@ def load_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     return load_file(str(Path(path) / "model.safetensors"))
 
 
+def state_mismatch(expected: dict[str, tuple[int, ...]], state: dict[str, torch.Tensor]) -> str | None:
+    """None when `state` has exactly the `expected` names and shapes, else the first few missing,
+    unexpected and mis-shaped names (with both shapes) on one line."""
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = sorted(
+        f"{k} {tuple(state[k].shape)} vs {tuple(expected[k])}"
+        for k in set(expected) & set(state)
+        if tuple(state[k].shape) != tuple(expected[k])
+    )
+    problems = (("missing", missing), ("unexpected", unexpected), ("mis-shaped", wrong))
+    details = "; ".join(f"{label}: {', '.join(names[:4])}" for label, names in problems if names)
+    return details or None
+
+
 def copy_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Copy `state` into the model's tensors, after checking that names and shapes match exactly."""
     own = model_state(model)
-    missing = sorted(set(own) - set(state))
-    unexpected = sorted(set(state) - set(own))
-    wrong = sorted(k for k in set(own) & set(state) if own[k].shape != state[k].shape)
-    if missing or unexpected or wrong:
-        problems = (("missing", missing), ("unexpected", unexpected), ("mis-shaped", wrong))
-        details = "; ".join(f"{label}: {', '.join(names[:4])}" for label, names in problems if names)
+    details = state_mismatch({k: tuple(v.shape) for k, v in own.items()}, state)
+    if details is not None:
         raise ValueError(f"checkpoint {source} does not fit the model ({details}): check the model preset")
     targets = model.state_dict()
     with torch.no_grad():

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model.args import ModelArgs, RopeScaling
+from model.checkpoint import state_mismatch
 from model.tokenizer import HFTokenizer, Tokenizer, save_tokenizer
 
 LAYER_NAMES = {
@@ -106,23 +107,11 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_state(state: dict[str, torch.Tensor], args: ModelArgs, source: str) -> None:
+def check_state(state: dict[str, torch.Tensor], args: ModelArgs, problem: str, remedy: str) -> None:
     """One-line ValueError naming the first missing, unexpected or mis-shaped tensors."""
-    expected = expected_shapes(args)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong = sorted(
-        f"{k} {tuple(state[k].shape)} vs {expected[k]}"
-        for k in set(expected) & set(state)
-        if tuple(state[k].shape) != expected[k]
-    )
-    if missing or unexpected or wrong:
-        problems = (("missing", missing), ("unexpected", unexpected), ("mis-shaped", wrong))
-        details = "; ".join(f"{label}: {', '.join(names[:4])}" for label, names in problems if names)
-        raise ValueError(
-            f"{source} does not match its config.json ({details}): the checkpoint is incomplete or not "
-            "a plain Llama"
-        )
+    details = state_mismatch(expected_shapes(args), state)
+    if details is not None:
+        raise ValueError(f"{problem} ({details}): {remedy}")
 
 
 def rotate_half_to_interleaved(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -177,7 +166,9 @@ def load_hf_checkpoint(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Ten
         )
     if args.tie_embeddings:
         state.pop("output.weight", None)  # some tied checkpoints store lm_head anyway
-    check_state(state, args, str(path))
+    check_state(
+        state, args, f"{path} does not match its config.json", "the checkpoint is incomplete or not a Llama"
+    )
     for i in range(args.n_layers):
         q, k = f"layers.{i}.attention.wq.weight", f"layers.{i}.attention.wk.weight"
         state[q] = rotate_half_to_interleaved(state[q], args.n_heads)
@@ -267,7 +258,7 @@ def export_hf(
         state = dict(model_or_state_dict)
     if args.tie_embeddings:
         state.pop("output.weight", None)
-    check_state(state, args, "the model to export")
+    check_state(state, args, "the weights to export do not fit `args`", "pass the model's own args")
     tensors = {}
     for name, tensor in state.items():
         if name.endswith("attention.wq.weight"):
