@@ -1,0 +1,157 @@
+"""CPU tests of the all-reduce dispatch: algorithm choice, launch configs, the one-node check, the
+status message, the registered op's fake, and the NCCL/gloo fallback of CustomAllReduce."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kernels import symm_mem
+from kernels.custom_all_reduce import (
+    LAUNCH,
+    ONE_SHOT_MAX_BYTES,
+    SUPPORTED_WORLD_SIZES,
+    CustomAllReduce,
+    choose_algorithm,
+    launch_config,
+    slot_bytes_for,
+)
+from kernels.symm_mem import (
+    MAX_BLOCKS,
+    SymmMemError,
+    check_peer_access,
+    check_single_node,
+    describe_status,
+    size_class,
+)
+
+KiB, MiB = 1 << 10, 1 << 20
+BF16 = torch.bfloat16
+
+
+def test_one_shot_up_to_the_threshold_then_two_shot() -> None:
+    for world in SUPPORTED_WORLD_SIZES:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            limit = ONE_SHOT_MAX_BYTES[world][dtype]
+            assert choose_algorithm(16, world, dtype, 64 * MiB) == "one_shot"
+            assert choose_algorithm(limit, world, dtype, 64 * MiB) == "one_shot"
+            assert choose_algorithm(limit + 16, world, dtype, 64 * MiB) == "two_shot"
+
+
+def test_nccl_beyond_max_size_and_for_what_the_kernels_do_not_cover() -> None:
+    assert choose_algorithm(8 * MiB, 4, BF16, max_size=8 * MiB) == "two_shot"
+    assert choose_algorithm(8 * MiB + 16, 4, BF16, max_size=8 * MiB) == "nccl"
+    assert choose_algorithm(4096 + 2, 4, BF16, 64 * MiB) == "nccl"  # not whole 16-byte vectors
+    assert choose_algorithm(0, 4, BF16, 64 * MiB) == "nccl"
+    assert choose_algorithm(4096, 4, torch.int32, 64 * MiB) == "nccl"
+    assert choose_algorithm(4096, 3, BF16, 64 * MiB) == "nccl"
+    assert choose_algorithm(4096, 6, BF16, 64 * MiB) == "nccl"
+    assert choose_algorithm(4096, 1, BF16, 64 * MiB) == "identity"
+
+
+def test_custom_threshold_table() -> None:
+    table = {4: {BF16: 4 * KiB}}
+    assert choose_algorithm(4 * KiB, 4, BF16, MiB, table) == "one_shot"
+    assert choose_algorithm(8 * KiB, 4, BF16, MiB, table) == "two_shot"
+
+
+@pytest.mark.parametrize("algo", ["one_shot", "two_shot"])
+def test_launch_config_covers_every_size(algo: str) -> None:
+    for world in SUPPORTED_WORLD_SIZES:
+        for nbytes in [16, 4 * KiB, 4 * KiB + 16, 64 * KiB, MiB, 32 * MiB, 1 << 34]:
+            warps, blocks = launch_config(algo, nbytes, world, 2)
+            assert warps in (1, 2, 4, 8, 16, 32)
+            assert 1 <= blocks <= MAX_BLOCKS.value
+            vectors = -(-nbytes // 16)
+            if algo == "two_shot":
+                vectors = -(-vectors // world)
+            assert (blocks - 1) * warps * 32 < vectors, "no program may be left without work"
+    assert launch_config(algo, 16, 4, 2)[1] == 1
+    with pytest.raises(ValueError):
+        launch_config("ring", 16, 4, 2)
+
+
+def test_launch_tables_are_sorted() -> None:
+    for rows in LAUNCH.values():
+        sizes = [r.max_bytes for r in rows]
+        assert sizes == sorted(sizes) and sizes[-1] >= 1 << 40
+
+
+def test_sizes() -> None:
+    assert size_class(1) == MiB and size_class(MiB) == MiB and size_class(MiB + 1) == 2 * MiB
+    assert slot_bytes_for(1000) == 1008 and slot_bytes_for(4096) == 4096
+    with pytest.raises(ValueError):
+        size_class(0)
+    # the flags of NUM_BARRIERS x MAX_BLOCKS x MAX_WORLD fit torch's default 9216-byte signal pad
+    assert symm_mem.PAD_INT32S * 4 <= 9216
+
+
+def info(host: str, device: int, uuid: str = "") -> dict:
+    return {"host": host, "boot": "b-" + host, "device": device, "uuid": uuid or f"{host}-{device}"}
+
+
+def test_group_on_one_node_passes() -> None:
+    check_single_node([info("a", 0), info("a", 1), info("a", 2), info("a", 3)], rank=2)
+
+
+def test_group_across_nodes_fails_clearly() -> None:
+    with pytest.raises(SymmMemError, match=r"rank 0: .*one node.*\['a', 'b'\].*ranks \[2, 3\]"):
+        check_single_node([info("a", 0), info("a", 1), info("b", 0), info("b", 1)], rank=0)
+
+
+def test_two_ranks_on_one_gpu_fail() -> None:
+    with pytest.raises(SymmMemError, match="share one GPU"):
+        check_single_node([info("a", 0, "u0"), info("a", 0, "u0")], rank=1)
+
+
+def test_missing_peer_access_fails_clearly() -> None:
+    infos = [info("a", d) for d in range(4)]
+    check_peer_access(infos, 1, can_access=lambda a, b: True)
+    with pytest.raises(SymmMemError, match=r"rank 1: GPU 1 has no peer access to GPU 3 \(rank 3\)"):
+        check_peer_access(infos, 1, can_access=lambda a, b: b != 3)
+
+
+def test_status_message_names_rank_op_barrier_and_peer() -> None:
+    assert describe_status([0, 0, 0, 0], 1, "g") is None
+    op = symm_mem.op_id("all_reduce one-shot")
+    msg = describe_status([1, op, 0, 3], 1, "tp")
+    assert "rank 1" in msg and "all_reduce one-shot" in msg and "barrier 0" in msg
+    assert "waiting for rank 3" in msg and "'tp'" in msg
+
+
+def test_registered_op_has_a_fake() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(4, 4096, dtype=BF16)
+        y = torch.ops.weft.symm_all_reduce(x, "any-group")
+    assert y.shape == x.shape and y.dtype == x.dtype
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fallback_on_rank(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        car = CustomAllReduce()  # no CUDA: no symmetric buffer, everything goes through the stock path
+        x = torch.arange(24, dtype=torch.float32) * (rank + 1)
+        assert car.algorithm(x) == "nccl"
+        y = car(x)
+        torch.testing.assert_close(y, torch.arange(24, dtype=torch.float32) * sum(range(1, world + 1)))
+        z = torch.ops.weft.symm_all_reduce(x, car.group_name)
+        torch.testing.assert_close(z, y)
+        assert torch.equal(x, torch.arange(24, dtype=torch.float32) * (rank + 1)), "input untouched"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_custom_all_reduce_falls_back_on_cpu() -> None:
+    mp.spawn(fallback_on_rank, args=(2, free_port()), nprocs=2, join=True)

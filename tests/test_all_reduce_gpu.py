@@ -1,0 +1,189 @@
+"""Symmetric-memory all-reduce on 2 and 4 GPUs (one process per GPU, NCCL beside it):
+
+* equal to the exact fp32 sum within one rounding, to NCCL's sum within bf16/fp16 rounding, and
+  bit-identical on every rank; bf16, fp16, fp32; ragged sizes; one-shot and two-shot; copy-in and
+  direct (producer writes the symmetric buffer) inputs; outputs poisoned with NaN before each call;
+* inside a CUDA graph of many calls (an odd number, so epochs shift between replays) replayed many
+  times with fresh inputs, interleaved with eager calls;
+* a rank that never enters: the others raise SymmMemTimeout naming it, instead of hanging.
+"""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kernels.custom_all_reduce import CustomAllReduce
+from kernels.symm_mem import SymmMemTimeout
+
+TOL = {  # (rtol, atol) against NCCL, which rounds to the dtype after every partial sum
+    torch.bfloat16: (1.6e-2, 3e-2),
+    torch.float16: (2e-3, 4e-3),
+    torch.float32: (1e-5, 1e-5),
+}
+EPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-23}
+SIZES = [8, 8 * 3, 8 * 257, 8 * 1000 + 8 * 5, 65536, 131072 + 8 * 11, 512 * 1024]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def exact_sum(x: torch.Tensor) -> torch.Tensor:
+    total = x.double()
+    dist.all_reduce(total)
+    return total
+
+
+def check_result(y: torch.Tensor, x: torch.Tensor, what: str, one_rounding: bool = True) -> None:
+    """y (from x on every rank) vs the exact sum, NCCL's sum, and every other rank's y."""
+    assert not torch.isnan(y).any(), f"{what}: NaN left in the output"
+    exact = exact_sum(x)
+    if one_rounding:  # fp32 sum rounded once: |y - exact| <= eps |exact| (+ fp32 accumulation error)
+        err = (y.double() - exact).abs()
+        bound = EPS[x.dtype] * exact.abs() + 1e-5
+        assert (err <= bound).all(), f"{what}: error {(err - bound).max().item()} beyond one rounding"
+    nccl = x.clone()
+    dist.all_reduce(nccl)
+    rtol, atol = TOL[x.dtype]
+    torch.testing.assert_close(y, nccl, rtol=rtol, atol=atol, msg=lambda m: f"{what} vs NCCL: {m}")
+    gathered = [torch.empty_like(y) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, y.contiguous())
+    raw = y.view(torch.uint8) if y.dtype == torch.float32 else y.view(torch.int16)
+    for r, g in enumerate(gathered):
+        other = g.view(torch.uint8) if y.dtype == torch.float32 else g.view(torch.int16)
+        assert torch.equal(raw, other), f"{what}: rank {dist.get_rank()} differs from rank {r}"
+
+
+def correctness(car: CustomAllReduce, rank: int) -> None:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for numel in SIZES:
+            for algo in ("one_shot", "two_shot", "auto"):
+                for direct in (False, True):
+                    torch.manual_seed(numel * 31 + rank)  # different data on every rank
+                    x = torch.randn(numel, dtype=dtype, device=dev)
+                    inp = x
+                    if direct:
+                        inp = car.input_buffer((numel,), dtype)
+                        inp.copy_(x)
+                    out = torch.full_like(x, float("nan"))
+                    y = car.all_reduce(inp, algo=algo, out=out)
+                    assert y is out
+                    torch.cuda.synchronize()
+                    car.check()
+                    check_result(y, x, f"{dtype} n={numel} {algo} direct={direct}")
+                    if direct:
+                        assert torch.equal(inp, x), "the direct region must not be written"
+    # 2-D input, the registered op, and a matmul writing its partial sums straight into the buffer
+    torch.manual_seed(7 + rank)
+    a = torch.randn(16, 256, dtype=torch.bfloat16, device=dev)
+    w = torch.randn(512, 256, dtype=torch.bfloat16, device=dev)
+    partial = car.input_buffer((16, 512), torch.bfloat16)
+    torch.matmul(a, w.t(), out=partial)
+    expect = partial.clone()
+    y = car(partial)
+    assert y.shape == (16, 512) and car.is_direct(partial)
+    check_result(y.flatten(), expect.flatten(), "matmul into the direct buffer")
+    z = torch.ops.weft.symm_all_reduce(expect, car.group_name)
+    assert torch.equal(z, y), "registered op == method, and copy-in == direct"
+    # NCCL beyond max_size, and for sizes that are not whole 16-byte vectors
+    for numel in (car.max_size // 2 + 8, 1001):
+        x = torch.randn(numel, dtype=torch.bfloat16, device=dev)
+        assert car.algorithm(x) == "nccl"
+        check_result(car(x), x, f"nccl fallback n={numel}", one_rounding=False)
+
+
+def graphs(car: CustomAllReduce, rank: int) -> None:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cases = [  # (numel, algo, direct), 7 calls per replay: epochs shift parity between replays
+        (8 * 129, "one_shot", False),
+        (4096, "two_shot", False),
+        (65536 + 8 * 3, "auto", False),
+        (8 * 1001, "one_shot", True),
+        (262144, "auto", False),
+        (8 * 777, "two_shot", True),
+        (4096, "one_shot", False),
+    ]
+    xs = [torch.zeros(n, dtype=torch.bfloat16, device=dev) for n, _, _ in cases]
+    outs = [torch.zeros_like(x) for x in xs]
+
+    def step() -> None:
+        for (n, algo, direct), x, out in zip(cases, xs, outs, strict=True):
+            inp = x
+            if direct:  # the "producer": writes the partial sums into the symmetric buffer
+                inp = car.input_buffer((n,), x.dtype)
+                inp.copy_(x)
+            car.all_reduce(inp, algo=algo, out=out)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for replay in range(40):
+        torch.manual_seed(1000 * replay + rank)
+        for x in xs:
+            x.copy_(torch.randn_like(x))
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        if replay % 3 == 0:  # eager calls between replays move the epochs by an odd count
+            e = torch.randn(8 * 5, dtype=torch.bfloat16, device=dev)
+            check_result(car(e), e, f"eager between replays {replay}")
+        torch.cuda.synchronize()
+        car.check()
+        if replay % 4 == 0 or replay == 39:
+            for (n, algo, direct), x, out in zip(cases, xs, outs, strict=True):
+                check_result(out, x, f"graph replay {replay} n={n} {algo} direct={direct}")
+    # many back-to-back replays, checked at the end
+    for _ in range(200):
+        graph.replay()
+    torch.cuda.synchronize()
+    car.check()
+    for (n, algo, direct), x, out in zip(cases, xs, outs, strict=True):
+        check_result(out, x, f"after 200 replays n={n} {algo} direct={direct}")
+
+
+def timeout(rank: int, world: int) -> None:
+    car = CustomAllReduce(max_size=1 << 20, timeout_s=0.5, tag="timeout-test")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    absent = world - 1
+    if rank != absent:
+        x = torch.randn(4096, dtype=torch.bfloat16, device=dev)
+        for algo in ("one_shot", "two_shot"):
+            car.all_reduce(x, algo=algo)
+        torch.cuda.synchronize()
+        with pytest.raises(SymmMemTimeout, match=rf"rank {rank}: .* waiting for rank {absent}"):
+            car.check()
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
+def run_on_rank(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    try:
+        car = CustomAllReduce(max_size=4 << 20)
+        correctness(car, rank)
+        graphs(car, rank)
+        timeout(rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "world",
+    [pytest.param(2, marks=pytest.mark.multigpu(n=2)), pytest.param(4, marks=pytest.mark.multigpu(n=4))],
+)
+def test_symm_all_reduce(world: int) -> None:
+    mp.spawn(run_on_rank, args=(world, free_port()), nprocs=world, join=True)
