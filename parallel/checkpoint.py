@@ -1,0 +1,145 @@
+"""Checkpoints of a parallelized model in weft's one layout-free format.
+
+Saving gathers every tensor to its full (tp = 1, unsharded) shape: FSDP shards with
+DTensor.full_tensor(), tensor-parallel shards with an all-gather over tp along the dimension the plan
+recorded. A checkpoint written at tp = 2 is therefore byte-for-byte the kind written at tp = 1 and
+loads at any tp; so do Hugging Face directories. Loading reads the full tensors on every rank and
+keeps each rank's slice (simple and correct; it needs host memory for one full copy per rank, and a
+sharded reader, e.g. torch.distributed.checkpoint, would replace it for the largest models).
+
+Every rank must call these functions (they communicate); only rank 0 needs to write the result.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.comm import all_gather
+
+
+def _state(model: nn.Module):
+    return getattr(model, "parallel", None)
+
+
+def _full(t: torch.Tensor, name: str, state) -> torch.Tensor:
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    if state is not None and name in state.tp_shard_dims and state.tp_group is not None:
+        t = all_gather(t.contiguous(), state.tp_shard_dims[name], state.tp_group)
+    return t.detach()
+
+
+def _slice(full: torch.Tensor, name: str, state) -> torch.Tensor:
+    if state is not None and name in state.tp_shard_dims and state.tp_size > 1:
+        dim = state.tp_shard_dims[name]
+        size = full.shape[dim] // state.tp_size
+        full = full.narrow(dim, state.tp_rank * size, size)
+    return full
+
+
+def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy `full` (this rank's tp slice, unsharded over dp) into a parameter/state tensor, which may
+    be an FSDP DTensor holding only this rank's dp shard."""
+    if hasattr(target, "to_local"):
+        from torch.distributed.tensor import distribute_tensor
+
+        full = full.to(device=target.device, dtype=target.dtype)
+        shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(shard.to_local())
+    else:
+        target.copy_(full)
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with every tensor at its full shape (a tied output weight left out, as
+    model/checkpoint.py stores it)."""
+    state = _state(model)
+    out = {name: _full(t, name, state) for name, t in model.state_dict().items()}
+    args = getattr(model, "args", None)
+    if args is not None and args.tie_embeddings:
+        out.pop("output.weight", None)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+@torch.no_grad()
+def load_full_model_state(
+    model: nn.Module, full: dict[str, torch.Tensor], source: str = "checkpoint"
+) -> None:
+    """Copy full-shape tensors into a parallelized model, each rank keeping its slice."""
+    state = _state(model)
+    targets = model.state_dict()
+    args = getattr(model, "args", None)
+    tied = args is not None and args.tie_embeddings
+    expected = {k for k in targets if not (tied and k == "output.weight")}
+    missing, unexpected = sorted(expected - set(full)), sorted(set(full) - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"{source} does not fit the model (missing: {', '.join(missing[:4]) or '-'}; "
+            f"unexpected: {', '.join(unexpected[:4]) or '-'}): check the model preset"
+        )
+    for name in expected:
+        target = targets[name]
+        shape = tuple(full[name].shape)
+        want = list(target.shape)
+        if state is not None and name in state.tp_shard_dims:
+            want[state.tp_shard_dims[name]] *= state.tp_size
+        if shape != tuple(want):
+            raise ValueError(f"{source}: {name} has shape {shape}, the model needs {tuple(want)}")
+        _copy_into(target, _slice(full[name], name, state))
+
+
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
+    """Optimizer state index -> parameter name (state_dict numbers parameters in group order)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    index, out = 0, {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            out[index] = names[id(p)]
+            index += 1
+    return out
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """optimizer.state_dict() with every per-parameter tensor (AdamW's moments) at full shape."""
+    state = _state(model)
+    sd = optimizer.state_dict()
+    names = _param_names(model, optimizer)
+    out_state = {}
+    for index, values in sd["state"].items():
+        name = names[index]
+        out_state[index] = {
+            k: _full(v, name, state) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+            for k, v in values.items()
+        }
+    return {"state": out_state, "param_groups": sd["param_groups"]}
+
+
+def load_full_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, full: dict[str, Any]
+) -> None:
+    """Load a full-shape optimizer state dict, each rank keeping its slices."""
+    state = _state(model)
+    names = _param_names(model, optimizer)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    local_state = {}
+    for index, values in full["state"].items():
+        index = int(index)
+        name, param = names[index], params[index]
+        local_values = {}
+        for k, v in values.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                target = torch.zeros_like(param)
+                _copy_into(target, _slice(v, name, state))
+                local_values[k] = target
+            else:
+                local_values[k] = v
+        local_state[index] = local_values
+    optimizer.load_state_dict({"state": local_state, "param_groups": full["param_groups"]})
+
+
+def is_writer() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0

@@ -1,0 +1,288 @@
+"""The communication dispatch of tensor/sequence/context parallelism: one interface, one
+implementation per `parallel.comm` value.
+
+    torch     torch.distributed collectives + a separate matmul (gloo and NCCL alike)
+    symm_mem  PyTorch's fused symmetric-memory ops (`torch.ops.symm_mem.*`), CUDA only
+    triton    weft's own kernels in kernels/, each op available once its kernel exists
+
+Every op works on one process group (a tensor- or context-parallel group). Matrices follow
+`torch.matmul`'s convention: `a @ b` with `b` of shape [K, N]; an nn.Linear weight [N, K] is passed as
+`weight.t()`. `dim` is the tensor dimension that is gathered or scattered (the sequence dimension,
+1 for the model's [B, S, D] activations).
+
+    all_gather_matmul(a_shard, [b0, b1, ...], dim) -> (a, [a @ b0, a @ b1, ...]), a = all_gather(a_shard, dim)
+    matmul_reduce_scatter(a, b, dim)              -> reduce_scatter(a @ b, dim)  (sum)
+    all_reduce(x)                                 -> sum over the group (a new tensor)
+    all_to_all(x)                                 -> x [W * n, ...]: chunk i of dim 0 goes to rank i
+    all_gather(x, dim), reduce_scatter(x, dim)    -> the plain collectives (no matmul)
+
+The plain all-gather / reduce-scatter are the stock collectives on every path: the model's layers only
+use them where no matmul is attached (the embedding and the gradient of the sequence-parallel norms).
+"""
+
+from __future__ import annotations
+
+import importlib
+import socket
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+COMM_PATHS = ("torch", "symm_mem", "triton")
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "all_reduce", "all_to_all")
+
+# torch >= 2.13 renames the tensor collectives; the old names still work on 2.11 (the GPU hosts).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CommUnavailable(RuntimeError):
+    """A comm path cannot run an op here (no kernel yet, or the wrong device / topology)."""
+
+
+def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`, in rank order."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    x = x.contiguous()
+    # Rank-major [W * x.shape[0], ...] (the collectives' layout), then [..., W * n, ...].
+    out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(out, x, group=group)
+    dim = dim % x.dim()
+    if dim == 0:
+        return out
+    return out.unflatten(0, (world, -1)).movedim(0, dim).flatten(dim, dim + 1)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum `x` over the ranks and keep this rank's chunk of `dim` (chunks in rank order)."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    if x.shape[dim] % world:
+        raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over {world} ranks")
+    # [..., W * n, ...] -> [W, ..., n, ...] contiguous, so rank i's chunk is the i-th block.
+    send = x.unflatten(dim, (world, -1)).movedim(dim, 0).contiguous()
+    out = torch.empty(send.shape[1:], dtype=x.dtype, device=x.device)
+    _reduce_scatter_single(out, send.flatten(0, 1), group=group)
+    return out
+
+
+class Comm:
+    """The ops over one group. Subclasses override what their path does differently; an op a path
+    lacks raises CommUnavailable naming the op (see `require`)."""
+
+    name = "base"
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def available(self, op: str) -> str | None:
+        """None when `op` runs on this path, else a reason."""
+        return None
+
+    def require(self, ops: Sequence[str]) -> None:
+        """Fail at set-up (before any work) when an op the model will call is missing."""
+        for op in ops:
+            reason = self.available(op)
+            if reason is not None:
+                raise CommUnavailable(f"parallel.comm={self.name}: {op} {reason}")
+
+    # Plain collectives (stock on every path).
+    def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return all_gather(x, dim, self.group)
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        return reduce_scatter(x, dim, self.group)
+
+    # The dispatched ops; the base class holds the stock (torch) versions.
+    def all_gather_matmul(
+        self, a_shard: torch.Tensor, bs: Sequence[torch.Tensor], dim: int
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        a = self.all_gather(a_shard, dim)
+        return a, [torch.matmul(a, b) for b in bs]
+
+    def matmul_reduce_scatter(self, a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+        return self.reduce_scatter(torch.matmul(a, b), dim)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.clone()
+        if self.world > 1:
+            dist.all_reduce(out, group=self.group)
+        return out
+
+    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), group=self.group)
+        return out
+
+
+class TorchComm(Comm):
+    """torch.distributed collectives, then (or before) a plain matmul: runs on gloo and NCCL."""
+
+    name = "torch"
+
+
+def _check_cuda_peers(group: dist.ProcessGroup, path: str) -> None:
+    """Symmetric memory needs every rank of the group on one node, each on its own GPU, with peer
+    access between them; raise a one-line error otherwise."""
+    if not torch.cuda.is_available():
+        raise CommUnavailable(f"parallel.comm={path} needs CUDA GPUs; on CPU use parallel.comm=torch")
+    device = torch.cuda.current_device()
+    where = [None] * dist.get_world_size(group)
+    dist.all_gather_object(where, (socket.gethostname(), device), group=group)
+    hosts = {host for host, _ in where}
+    if len(hosts) > 1:
+        raise CommUnavailable(
+            f"parallel.comm={path} needs every rank of its group on one node, but the group spans "
+            f"{sorted(hosts)}: keep parallel.tp (and parallel.cp) within one node or use parallel.comm=torch"
+        )
+    devices = [d for _, d in where]
+    if len(set(devices)) != len(devices):
+        raise CommUnavailable(f"parallel.comm={path} needs one GPU per rank; ranks share GPUs {devices}")
+    blocked = [d for d in devices if d != device and not torch.cuda.can_device_access_peer(device, d)]
+    if blocked:
+        raise CommUnavailable(
+            f"parallel.comm={path}: GPU {device} has no peer access to GPUs {blocked}: "
+            "use parallel.comm=torch"
+        )
+
+
+class SymmMemComm(Comm):
+    """PyTorch's fused symmetric-memory ops. The all-to-all has no fused op in PyTorch and stays on
+    `all_to_all_single` (NCCL); the plain all-gather / reduce-scatter likewise."""
+
+    name = "symm_mem"
+    # Up to this many bytes the one-shot all-reduce (every rank reads all peers) is faster than the
+    # two-shot (reduce-scatter + all-gather in symmetric memory): DESIGN.md's table, 4x H200.
+    ONE_SHOT_MAX_BYTES = 128 * 1024
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        super().__init__(group)
+        _check_cuda_peers(group, self.name)
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self._symm_mem = symm_mem
+        self.group_name = group.group_name
+        if hasattr(symm_mem, "is_symm_mem_enabled_for_group") and not symm_mem.is_symm_mem_enabled_for_group(
+            self.group_name
+        ):
+            # torch 2.11 still needs this once per group; later versions deprecate it as a no-op.
+            import warnings
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                symm_mem.enable_symm_mem_for_group(self.group_name)
+        # Symmetric input buffers of the all-reduce, one per (numel, dtype), allocated on first use and
+        # reused (so a CUDA graph captured after a warm-up call allocates nothing).
+        self._buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def all_gather_matmul(
+        self, a_shard: torch.Tensor, bs: Sequence[torch.Tensor], dim: int
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        a, outs = torch.ops.symm_mem.fused_all_gather_matmul(
+            a_shard, list(bs), dim % a_shard.dim(), self.group_name, return_A=True
+        )
+        return a, list(outs)
+
+    def matmul_reduce_scatter(self, a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", dim % a.dim(), self.group_name)
+
+    def _buffer(self, x: torch.Tensor) -> torch.Tensor:
+        key = (x.numel(), x.dtype)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._symm_mem.empty(x.numel(), dtype=x.dtype, device=x.device)
+            self._symm_mem.rendezvous(buf, self.group_name)
+            self._buffers[key] = buf
+        return buf
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        buf = self._buffer(x)
+        out = torch.empty_like(x)
+        ops = torch.ops.symm_mem
+        if x.numel() * x.element_size() <= self.ONE_SHOT_MAX_BYTES:
+            if hasattr(ops, "one_shot_all_reduce_copy_out"):
+                # The copy into the symmetric buffer happens inside the kernel, after its entry barrier.
+                ops.one_shot_all_reduce_copy_out(buf, x.reshape(-1), "sum", self.group_name, out.view(-1))
+            else:
+                buf.copy_(x.reshape(-1))
+                ops.one_shot_all_reduce_out(buf, "sum", self.group_name, out.view(-1))
+        else:
+            buf.copy_(x.reshape(-1))
+            ops.two_shot_all_reduce_out(buf, "sum", self.group_name, out.view(-1))
+        return out
+
+
+# The triton path: op -> (module in kernels/, function name). The function takes the same arguments
+# as the Comm method after `self`, plus `group=`. Ops missing from kernels/ give a clear error.
+TRITON_KERNELS: dict[str, tuple[str, str]] = {
+    "all_reduce": ("kernels.all_reduce", "all_reduce"),
+    "all_gather_matmul": ("kernels.ag_matmul", "all_gather_matmul"),
+    "matmul_reduce_scatter": ("kernels.matmul_rs", "matmul_reduce_scatter"),
+    "all_to_all": ("kernels.all_to_all", "all_to_all"),
+}
+
+
+def _find_kernel(op: str):
+    module_name, attr = TRITON_KERNELS[op]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name != module_name:
+            raise
+        return None
+    return getattr(module, attr, None)
+
+
+class TritonComm(Comm):
+    """weft's own kernels, looked up in kernels/ when the path is built."""
+
+    name = "triton"
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        super().__init__(group)
+        _check_cuda_peers(group, self.name)
+        self._kernels = {op: _find_kernel(op) for op in TRITON_KERNELS}
+
+    def available(self, op: str) -> str | None:
+        if self._kernels.get(op) is None:
+            module, attr = TRITON_KERNELS[op]
+            return (
+                f"has no Triton kernel yet ({module}.{attr} does not exist): "
+                "use parallel.comm=torch or parallel.comm=symm_mem"
+            )
+        return None
+
+    def _kernel(self, op: str):
+        self.require([op])
+        return self._kernels[op]
+
+    def all_gather_matmul(self, a_shard, bs, dim):
+        return self._kernel("all_gather_matmul")(a_shard, list(bs), dim, group=self.group)
+
+    def matmul_reduce_scatter(self, a, b, dim):
+        return self._kernel("matmul_reduce_scatter")(a, b, dim, group=self.group)
+
+    def all_reduce(self, x):
+        return self._kernel("all_reduce")(x, group=self.group)
+
+    def all_to_all(self, x):
+        return self._kernel("all_to_all")(x, group=self.group)
+
+
+_PATHS: dict[str, type[Comm]] = {"torch": TorchComm, "symm_mem": SymmMemComm, "triton": TritonComm}
+
+
+def make_comm(path: str, group: dist.ProcessGroup, require: Sequence[str] = ()) -> Comm:
+    """The ops of `path` over `group`; raises a one-line error when `path` cannot run here or lacks one
+    of the `require`d ops."""
+    if path not in _PATHS:
+        raise ValueError(f"parallel.comm={path!r} is not one of {', '.join(COMM_PATHS)}")
+    comm = _PATHS[path](group)
+    comm.require(require)
+    return comm

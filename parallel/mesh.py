@@ -1,0 +1,132 @@
+"""The (dp, cp, tp) device mesh and the checks that run before any work.
+
+Ranks are laid out with tp innermost: the tp ranks of a group are consecutive global ranks (hence on
+one node when the node's rank count is a multiple of tp), cp next, dp outermost (it may cross nodes).
+dp is whatever the world leaves: world = dp * cp * tp.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from parallel.comm import COMM_PATHS
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp: int
+    cp: int
+    tp: int
+    comm: str = "torch"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp * self.tp
+
+    @property
+    def model_parallel(self) -> bool:
+        """True when the model itself is split (tensor or context parallel)."""
+        return self.tp * self.cp > 1
+
+
+def parallel_dims(parallel, world: int) -> ParallelDims:
+    """dp, cp, tp from the `parallel` config (tp, cp, comm) and the world size; one-line errors."""
+    tp, cp, comm = int(parallel.tp), int(parallel.cp), str(parallel.comm)
+    if tp < 1 or cp < 1:
+        raise ValueError(f"parallel.tp={tp} and parallel.cp={cp} must be >= 1")
+    if world % (tp * cp) != 0:
+        raise ValueError(
+            f"world size {world} is not a multiple of parallel.tp * parallel.cp = {tp}*{cp}: "
+            "change --nproc_per_node or the parallel degrees"
+        )
+    if comm not in COMM_PATHS:
+        raise ValueError(f"parallel.comm={comm!r} is not one of {', '.join(COMM_PATHS)}")
+    return ParallelDims(dp=world // (tp * cp), cp=cp, tp=tp, comm=comm)
+
+
+def validate_model(dims: ParallelDims, args, seq_len: int | None = None, training: bool = True) -> None:
+    """Raise a one-line ValueError when the model's shape cannot be split this way.
+
+    tp splits query heads, key/value heads, the MLP hidden size and the vocabulary; sequence
+    parallelism (training) splits the sequence over tp * cp. Ulysses (cp) then splits each tp rank's
+    heads again (key/value heads may instead be replicated when there are fewer than cp of them)."""
+    tp, cp = dims.tp, dims.cp
+    checks = [
+        (args.n_heads % tp == 0, f"model.n_heads={args.n_heads} is not divisible by parallel.tp={tp}"),
+        (
+            args.n_kv_heads % tp == 0,
+            f"model.n_kv_heads={args.n_kv_heads} is not divisible by parallel.tp={tp}",
+        ),
+        (
+            args.ffn_hidden % tp == 0,
+            f"model.ffn_hidden={args.ffn_hidden} is not divisible by parallel.tp={tp}",
+        ),
+        (
+            args.vocab_size % tp == 0,
+            f"model.vocab_size={args.vocab_size} is not divisible by parallel.tp={tp}: pad the vocabulary",
+        ),
+    ]
+    if cp > 1:
+        heads, kv = args.n_heads // max(tp, 1), args.n_kv_heads // max(tp, 1)
+        checks += [
+            (
+                args.n_heads % (tp * cp) == 0,
+                f"model.n_heads={args.n_heads} is not divisible by parallel.tp*parallel.cp={tp}*{cp}",
+            ),
+            (
+                kv % cp == 0 or cp % max(kv, 1) == 0,
+                f"{kv} key/value heads per tp rank neither divide nor are divisible by parallel.cp={cp}",
+            ),
+            (heads > 0, "no query heads left per rank"),
+        ]
+    if training and seq_len is not None:
+        checks.append(
+            (
+                seq_len % (tp * cp) == 0,
+                f"sequence length {seq_len} is not divisible by parallel.tp*parallel.cp={tp}*{cp}",
+            )
+        )
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+def validate_device(dims: ParallelDims, device: torch.device) -> None:
+    """The comm path must run on this device, and symmetric memory needs the tp (and cp) group on one
+    node: checked from torchrun's LOCAL_WORLD_SIZE here; SymmMemComm checks host names and peer
+    access again when its group is built."""
+    if dims.comm == "torch":
+        return
+    if device.type != "cuda":
+        raise ValueError(
+            f"parallel.comm={dims.comm} needs CUDA GPUs; on {device.type} use parallel.comm=torch"
+        )
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(dims.world)))
+    span = dims.tp * dims.cp if dims.cp > 1 else dims.tp
+    if local % span != 0:
+        raise ValueError(
+            f"parallel.comm={dims.comm} needs each tp{'*cp' if dims.cp > 1 else ''} group ({span} ranks) "
+            f"on one node, but a node runs {local} ranks: use parallel.comm=torch or fewer ranks per group"
+        )
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """The global DeviceMesh of shape (dp, cp, tp), dims named "dp", "cp", "tp"."""
+    if not dist.is_initialized():
+        raise RuntimeError("build_mesh needs an initialised process group (torchrun)")
+    if dist.get_world_size() != dims.world:
+        raise ValueError(f"world size {dist.get_world_size()} != dp*cp*tp = {dims.dp}*{dims.cp}*{dims.tp}")
+    return init_device_mesh(device_type, (dims.dp, dims.cp, dims.tp), mesh_dim_names=("dp", "cp", "tp"))
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The ranks holding different data for the same model shard: dp, and cp too (Ulysses ranks see
+    different tokens, so their gradients are averaged like data parallel ones)."""
+    if mesh["cp"].size() == 1:
+        return mesh["dp"]
+    return mesh["dp", "cp"]._flatten("dp_cp")

@@ -1,0 +1,248 @@
+"""parallelize_llama: apply tensor + sequence parallelism, Ulysses context parallelism, activation
+checkpointing, torch.compile and FSDP2 to a plain model.Llama (TorchTitan's split of model and plan).
+
+The plan works on a materialised model whose weights are the full (tp = 1) ones: every rank builds the
+same full model (same seed, or the same checkpoint loaded), and the plan keeps each rank's slice. The
+model code is untouched: the plan swaps modules (wq/wk/wv/w1/w3/output column-parallel, wo/w2
+row-parallel, the embedding vocab-parallel, the norms sequence-parallel) and sets attributes
+(Attention.project_qkv, attention_fn, the per-rank head counts). Parameter names, order and tying stay
+those of the plain model, so a checkpoint (parallel/checkpoint.py gathers the full tensors) does not
+depend on the layout it was saved from.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
+
+from model.llama import Llama, TransformerBlock, sdpa_attention
+from parallel.comm import Comm, make_comm
+from parallel.layers import (
+    ColumnParallelLinear,
+    ParallelFeedForward,
+    ParallelQKV,
+    RowParallelLinear,
+    SequenceParallelRMSNorm,
+    TPContext,
+    VocabParallelEmbedding,
+    VocabParallelOutput,
+)
+from parallel.mesh import data_parallel_mesh
+
+
+@dataclass
+class ParallelizeConfig:
+    # torch | symm_mem | triton (parallel.comm).
+    comm: str = "torch"
+    # Training: shard the residual stream on the sequence between blocks. Decode: False (replicated
+    # activations, all-reduce after row-parallel layers, full logits gathered for sampling).
+    sequence_parallel: bool = True
+    # Keep AG-matmul's gathered input for the weight gradient (False: re-gather in the backward).
+    save_gathered: bool = True
+    # Recompute each block in the backward (torch.utils.checkpoint, non-reentrant).
+    activation_checkpointing: bool = False
+    # torch.compile each block (in place: parameter names do not change).
+    compile: bool = False
+    # FSDP2 (fully_shard) over the data-parallel ranks (dp, and cp folded in) when there are several.
+    fsdp: bool = True
+    # FSDP2 mixed precision: parameters cast to this dtype for compute (None: keep fp32).
+    fsdp_param_dtype: torch.dtype | None = None
+    # Without sequence parallelism the logits are all-gathered to the full vocabulary (decode);
+    # None picks: gathered iff not sequence_parallel.
+    gather_output: bool | None = None
+
+
+@dataclass
+class ParallelState:
+    """What the plan leaves on the model (`model.parallel`), for the loss, clipping and checkpoints."""
+
+    mesh: DeviceMesh
+    tp_ctx: TPContext | None
+    # State-dict name -> the dimension its tensor-parallel shard splits (absent: replicated over tp).
+    tp_shard_dims: dict[str, int] = field(default_factory=dict)
+    # Group over which gradients of the same shard are averaged (FSDP's), None for a single rank.
+    dp_group: dist.ProcessGroup | None = None
+    fsdp: bool = False
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        return self.tp_ctx.comm.group if self.tp_ctx is not None else None
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp_ctx.rank if self.tp_ctx is not None else 0
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp_ctx.size if self.tp_ctx is not None else 1
+
+
+def _shard(param: nn.Parameter, dim: int, tp: int, rank: int) -> nn.Parameter:
+    size = param.shape[dim] // tp
+    return nn.Parameter(param.detach().narrow(dim, rank * size, size).clone(), param.requires_grad)
+
+
+def required_ops(cfg: ParallelizeConfig, tp: int, cp: int) -> list[str]:
+    """The dispatched ops this layout calls (checked against the comm path before any work)."""
+    ops = []
+    if tp > 1:
+        ops += ["all_gather_matmul", "matmul_reduce_scatter"] if cfg.sequence_parallel else ["all_reduce"]
+    return ops
+
+
+def apply_tensor_parallel(
+    model: Llama, comm: Comm, cfg: ParallelizeConfig
+) -> tuple[TPContext, dict[str, int]]:
+    ctx = TPContext(comm, sequence_parallel=cfg.sequence_parallel, save_gathered=cfg.save_gathered)
+    tp, rank = ctx.size, ctx.rank
+    shard_dims: dict[str, int] = {}
+
+    def column(module: nn.Linear | nn.Embedding, name: str) -> nn.Parameter:
+        shard_dims[f"{name}.weight"] = 0
+        return _shard(module.weight, 0, tp, rank)
+
+    for i, block in enumerate(model.layers):
+        prefix = f"layers.{i}"
+        attn = block.attention
+        for proj in ("wq", "wk", "wv"):
+            setattr(
+                attn,
+                proj,
+                ColumnParallelLinear(column(getattr(attn, proj), f"{prefix}.attention.{proj}"), ctx),
+            )
+        shard_dims[f"{prefix}.attention.wo.weight"] = 1
+        attn.wo = RowParallelLinear(_shard(attn.wo.weight, 1, tp, rank), ctx)
+        attn.n_heads //= tp
+        attn.n_kv_heads //= tp
+        attn.project_qkv = ParallelQKV(attn, ctx)
+        ff = block.feed_forward
+        shard_dims[f"{prefix}.feed_forward.w2.weight"] = 1
+        block.feed_forward = ParallelFeedForward(
+            ColumnParallelLinear(column(ff.w1, f"{prefix}.feed_forward.w1"), ctx),
+            RowParallelLinear(_shard(ff.w2.weight, 1, tp, rank), ctx),
+            ColumnParallelLinear(column(ff.w3, f"{prefix}.feed_forward.w3"), ctx),
+        )
+        if cfg.sequence_parallel:
+            block.attention_norm = SequenceParallelRMSNorm(block.attention_norm, ctx)
+            block.ffn_norm = SequenceParallelRMSNorm(block.ffn_norm, ctx)
+    if cfg.sequence_parallel:
+        model.norm = SequenceParallelRMSNorm(model.norm, ctx)
+
+    tied = model.args.tie_embeddings
+    embedding = VocabParallelEmbedding(column(model.tok_embeddings, "tok_embeddings"), ctx)
+    gather = (not cfg.sequence_parallel) if cfg.gather_output is None else cfg.gather_output
+    out_weight = embedding.weight if tied else column(model.output, "output")
+    if tied:
+        shard_dims["output.weight"] = 0
+    model.tok_embeddings = embedding
+    model.output = VocabParallelOutput(out_weight, ctx, gather_output=gather)
+    return ctx, shard_dims
+
+
+def apply_context_parallel(model: Llama, mesh: DeviceMesh) -> None:
+    """Ulysses attention over the cp group. Each cp rank is given the tokens of its sequence chunk
+    (chunks in cp-rank order); a forward pre-hook supplies their positions for the rotary table."""
+    from parallel.ulysses import ulysses_attention
+
+    group = mesh["cp"].get_group()
+    cp_rank = mesh["cp"].get_local_rank()
+    for block in model.layers:
+        base = block.attention.attention_fn
+        block.attention.attention_fn = ulysses_attention(base if base is not None else sdpa_attention, group)
+
+    def positions(module: nn.Module, args: tuple, kwargs: dict):
+        tokens = args[0] if args else kwargs["tokens"]
+        if len(args) > 1 or kwargs.get("input_pos") is not None:
+            raise ValueError("context parallelism (parallel.cp > 1) serves training only; decode with cp=1")
+        seq = tokens.shape[1]
+        kwargs = {
+            **kwargs,
+            "input_pos": torch.arange(cp_rank * seq, (cp_rank + 1) * seq, device=tokens.device),
+        }
+        return args[:1], kwargs
+
+    model.register_forward_pre_hook(positions, with_kwargs=True)
+
+
+def _checkpointed_forward(block: TransformerBlock, *args, **kwargs):
+    return checkpoint(TransformerBlock.forward, block, *args, use_reentrant=False, **kwargs)
+
+
+def parallelize_llama(model: Llama, mesh: DeviceMesh, cfg: ParallelizeConfig | None = None) -> Llama:
+    """Apply the layout of `mesh` (dims "dp", "cp", "tp"; parallel/mesh.py) to `model` in place and
+    return it. The model must hold its full weights (identical on every rank)."""
+    cfg = cfg or ParallelizeConfig()
+    tp, cp = mesh["tp"].size(), mesh["cp"].size()
+    tp_ctx, shard_dims = None, {}
+    if tp > 1:
+        comm = make_comm(cfg.comm, mesh["tp"].get_group(), require=required_ops(cfg, tp, cp))
+        tp_ctx, shard_dims = apply_tensor_parallel(model, comm, cfg)
+    elif cfg.comm != "torch":
+        make_comm(cfg.comm, mesh["tp"].get_group())  # device checks even when tp = 1
+    if cp > 1:
+        apply_context_parallel(model, mesh)
+
+    for block in model.layers:
+        if cfg.activation_checkpointing:
+            block.forward = functools.partial(_checkpointed_forward, block)
+        if cfg.compile:
+            block.compile()
+
+    dp_mesh = data_parallel_mesh(mesh)
+    use_fsdp = cfg.fsdp and dp_mesh.size() > 1
+    if use_fsdp:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=cfg.fsdp_param_dtype, reduce_dtype=torch.float32)
+        for i, block in enumerate(model.layers):
+            # The last block's parameters are needed again at once by the backward: keep them gathered.
+            fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(model.layers) - 1)
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+    model.parallel = ParallelState(
+        mesh=mesh,
+        tp_ctx=tp_ctx,
+        tp_shard_dims=shard_dims,
+        dp_group=dp_mesh.get_group() if dp_mesh.size() > 1 else None,
+        fsdp=use_fsdp,
+    )
+    return model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm of a parallelized model (tp shards counted once each, tp-replicated
+    parameters once, FSDP shards summed over dp) and return the norm before clipping."""
+    state: ParallelState | None = getattr(model, "parallel", None)
+    params = [p for p in model.parameters() if p.grad is not None]
+    if state is None:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    names = {id(p): n for n, p in model.named_parameters()}
+    device = _local(params[0].grad).device if params else torch.device("cpu")
+    sharded = torch.zeros((), device=device, dtype=torch.float32)
+    replicated = torch.zeros((), device=device, dtype=torch.float32)
+    for p in params:
+        sq = _local(p.grad).float().pow(2).sum()
+        if names[id(p)] in state.tp_shard_dims:
+            sharded += sq
+        else:
+            replicated += sq
+    if state.tp_group is not None:
+        dist.all_reduce(sharded, group=state.tp_group)
+    total = sharded + replicated
+    if state.fsdp and state.dp_group is not None:
+        dist.all_reduce(total, group=state.dp_group)
+    norm = total.sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for p in params:
+        _local(p.grad).mul_(scale.to(_local(p.grad).dtype))
+    return norm

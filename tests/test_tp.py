@@ -1,0 +1,352 @@
+"""Tensor + sequence parallel Llama on gloo at world sizes 2 and 4 (fp32): logits, loss and every
+parameter gradient equal the single-process model within 1e-5; also FSDP2 x TP (dp=2, tp=2), TP x
+Ulysses (tp=2, cp=2), TP without sequence parallelism, greedy generation at tp=2 equal to tp=1, and a
+checkpoint saved at tp=2 loading at tp=1 and tp=4."""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from model.args import ModelArgs
+from model.generate import generate
+from model.llama import Llama
+from parallel.checkpoint import (
+    _full,
+    full_model_state,
+    full_optimizer_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+)
+from parallel.comm import CommUnavailable, make_comm
+from parallel.loss import cross_entropy
+from parallel.mesh import ParallelDims, build_mesh, parallel_dims, validate_device, validate_model
+from parallel.parallelize import ParallelizeConfig, clip_grad_norm_, parallelize_llama
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def small_args(tie: bool = False) -> ModelArgs:
+    return ModelArgs(
+        name="tp-test",
+        dim=64,
+        n_layers=2,
+        n_heads=8,
+        n_kv_heads=4,
+        vocab_size=64,
+        ffn_hidden=96,
+        rope_theta=10000.0,
+        max_seq_len=64,
+        tie_embeddings=tie,
+    )
+
+
+def full_model(args: ModelArgs, seed: int = 0) -> Llama:
+    torch.manual_seed(seed)
+    model = Llama(args)
+    model.init_weights()
+    return model
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Case:
+    tp: int
+    dp: int = 1
+    cp: int = 1
+    tie: bool = False
+    sequence_parallel: bool = True
+    save_gathered: bool = True
+    activation_checkpointing: bool = False
+
+
+def _check_training(case: Case, rank: int, world: int) -> None:
+    args = small_args(case.tie)
+    reference = full_model(args)
+    model = copy.deepcopy(reference)
+    torch.manual_seed(1)
+    bsz, seq = 4, 16
+    tokens = torch.randint(0, args.vocab_size, (bsz, seq))
+    targets = torch.randint(0, args.vocab_size, (bsz, seq))
+    ref_logits = reference(tokens)
+    ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten())
+    ref_loss.backward()
+
+    dims = ParallelDims(dp=case.dp, cp=case.cp, tp=case.tp)
+    validate_model(dims, args, seq_len=seq)
+    mesh = build_mesh(dims, "cpu")
+    cfg = ParallelizeConfig(
+        sequence_parallel=case.sequence_parallel,
+        save_gathered=case.save_gathered,
+        activation_checkpointing=case.activation_checkpointing,
+    )
+    parallelize_llama(model, mesh, cfg)
+    # This rank's data: its dp slice of the batch, its cp chunk of the sequence.
+    dp_rank, cp_rank = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
+    rows = slice(dp_rank * bsz // case.dp, (dp_rank + 1) * bsz // case.dp)
+    cols = slice(cp_rank * seq // case.cp, (cp_rank + 1) * seq // case.cp)
+    logits = model(tokens[rows, cols])
+    loss = cross_entropy(model, logits, targets[rows, cols])
+    loss.backward()
+
+    state = model.parallel
+    if state.tp_group is not None and not model.output.gather_output:
+        gathered = [torch.empty_like(logits) for _ in range(case.tp)]
+        dist.all_gather(gathered, logits.contiguous(), group=state.tp_group)
+        logits = torch.cat(gathered, dim=-1)
+    torch.testing.assert_close(logits, ref_logits[rows, cols], **TOL)
+    mean_loss = loss.detach().clone()
+    if state.dp_group is not None:
+        dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG, group=state.dp_group)
+    torch.testing.assert_close(mean_loss, ref_loss.detach(), **TOL)
+
+    ref_params = dict(reference.named_parameters())
+    names = [n for n, _ in model.named_parameters()]
+    assert names == list(ref_params), "parameter names or order differ from the plain model"
+    for name, p in model.named_parameters():
+        grad = _full(p.grad, name, state)
+        torch.testing.assert_close(grad, ref_params[name].grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+    # Gradient clipping sees the global norm.
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
+    norm = clip_grad_norm_(model, 1e9)
+    torch.testing.assert_close(norm, ref_norm, **TOL)
+
+
+def _check_generation(rank: int, world: int) -> None:
+    args = small_args()
+    reference = full_model(args, seed=3)
+    model = copy.deepcopy(reference)
+    mesh = build_mesh(ParallelDims(dp=world // 2, cp=1, tp=2), "cpu")
+    parallelize_llama(model, mesh, ParallelizeConfig(sequence_parallel=False, fsdp=False))
+    torch.manual_seed(2)
+    prompt = torch.randint(0, args.vocab_size, (2, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(model(prompt), reference(prompt), **TOL)
+    expected = generate(reference, prompt, 12, cuda_graph=False)
+    got = generate(model, prompt, 12, cuda_graph=False)
+    assert torch.equal(got, expected), (got, expected)
+
+
+def _run_cases(rank: int, world: int, port: int, cases: list[Case], generation: bool, errors) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        for case in cases:
+            _check_training(case, rank, world)
+        if generation:
+            _check_generation(rank, world)
+    except Exception:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, world: int, *args) -> None:
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    try:
+        mp.start_processes(
+            fn, args=(world, free_port(), *args, errors), nprocs=world, join=True, start_method="spawn"
+        )
+    except Exception:
+        messages = []
+        while not errors.empty():
+            messages.append(errors.get())
+        raise AssertionError("\n".join(messages) or "a rank failed") from None
+
+
+WORLD2 = [
+    Case(tp=2),
+    Case(tp=2, tie=True, save_gathered=False, activation_checkpointing=True),
+    Case(tp=2, sequence_parallel=False),
+]
+WORLD4 = [
+    Case(tp=4),
+    Case(tp=2, dp=2),
+    Case(tp=2, cp=2, tie=True),
+]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_matches_single_process(world: int) -> None:
+    spawn(_run_cases, world, WORLD2 if world == 2 else WORLD4, world == 2)
+
+
+# -- checkpoints: saved at tp=2, loaded at tp=1 and tp=4 --------------------------------------------
+
+
+def _train_step(model, tokens, targets) -> None:
+    opt = model._test_opt
+    loss = cross_entropy(model, model(tokens), targets)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _save_at_tp2(rank: int, world: int, port: int, out: str, errors) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        from safetensors.torch import save_file
+
+        args = small_args()
+        model = full_model(args)
+        parallelize_llama(model, build_mesh(ParallelDims(dp=1, cp=1, tp=2), "cpu"))
+        model._test_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        torch.manual_seed(5)
+        tokens = torch.randint(0, args.vocab_size, (2, 8))
+        _train_step(model, tokens, torch.roll(tokens, -1, 1))
+        state = full_model_state(model)
+        optim = full_optimizer_state(model, model._test_opt)
+        if rank == 0:
+            save_file(state, str(Path(out) / "model.safetensors"))
+            torch.save(optim, Path(out) / "optim.pt")
+            torch.save(tokens, Path(out) / "tokens.pt")
+    except Exception:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def _load_at_tp4(rank: int, world: int, port: int, out: str, expected: torch.Tensor, errors) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        from safetensors.torch import load_file
+
+        args = small_args()
+        model = full_model(args, seed=9)  # different weights: the load must replace all of them
+        parallelize_llama(model, build_mesh(ParallelDims(dp=1, cp=1, tp=4), "cpu"))
+        load_full_model_state(model, load_file(str(Path(out) / "model.safetensors")))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        load_full_optimizer_state(model, opt, torch.load(Path(out) / "optim.pt"))
+        model._test_opt = opt
+        tokens = torch.load(Path(out) / "tokens.pt")
+        _train_step(model, tokens, torch.roll(tokens, -1, 1))  # a second step: moments must be right
+        with torch.no_grad():
+            logits = model(tokens)
+        gathered = [torch.empty_like(logits) for _ in range(4)]
+        dist.all_gather(gathered, logits.contiguous(), group=model.parallel.tp_group)
+        torch.testing.assert_close(torch.cat(gathered, -1), expected, **TOL)
+    except Exception:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_checkpoint_saved_at_tp2_loads_at_tp1_and_tp4(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    spawn(_save_at_tp2, 2, str(tmp_path))
+    args = small_args()
+    # tp=1: the plain model loads the gathered checkpoint directly and continues training.
+    model = full_model(args, seed=9)
+    model.load_state_dict(load_file(str(tmp_path / "model.safetensors")))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt.load_state_dict(torch.load(tmp_path / "optim.pt"))
+    tokens = torch.load(tmp_path / "tokens.pt")
+    loss = F.cross_entropy(model(tokens).flatten(0, 1), torch.roll(tokens, -1, 1).flatten())
+    loss.backward()
+    opt.step()
+    with torch.no_grad():
+        expected = model(tokens)
+    # The same continuation at tp=4 gives the same logits.
+    spawn(_load_at_tp4, 4, str(tmp_path), expected)
+
+
+# -- bad input: one-line errors before any work --------------------------------------------------------
+
+
+class _P:
+    def __init__(self, tp=1, cp=1, comm="torch"):
+        self.tp, self.cp, self.comm = tp, cp, comm
+
+
+def test_bad_layouts_fail_with_one_line_errors() -> None:
+    with pytest.raises(
+        ValueError, match=r"world size 6 is not a multiple of parallel\.tp \* parallel\.cp = 4\*1"
+    ):
+        parallel_dims(_P(tp=4), 6)
+    with pytest.raises(ValueError, match=r"parallel\.comm='nccl' is not one of"):
+        parallel_dims(_P(comm="nccl"), 2)
+    assert parallel_dims(_P(tp=2, cp=2), 8) == ParallelDims(dp=2, cp=2, tp=2)
+    args = small_args()
+    with pytest.raises(ValueError, match=r"model\.n_heads=8 is not divisible by parallel\.tp=3"):
+        validate_model(ParallelDims(1, 1, 3), args)
+    with pytest.raises(ValueError, match=r"model\.n_kv_heads=4 is not divisible by parallel\.tp=8"):
+        validate_model(ParallelDims(1, 1, 8), args)
+    with pytest.raises(ValueError, match=r"n_heads=8 is not divisible by parallel\.tp\*parallel\.cp=4\*4"):
+        validate_model(ParallelDims(1, 4, 4), args)
+    with pytest.raises(
+        ValueError, match=r"sequence length 18 is not divisible by parallel\.tp\*parallel\.cp=4\*1"
+    ):
+        validate_model(ParallelDims(1, 1, 4), args, seq_len=18)
+    with pytest.raises(ValueError, match=r"model\.vocab_size=66 is not divisible by parallel\.tp=4"):
+        validate_model(ParallelDims(1, 1, 4), ModelArgs(**{**small_args().__dict__, "vocab_size": 66}))
+    with pytest.raises(
+        ValueError, match=r"parallel\.comm=symm_mem needs CUDA GPUs; on cpu use parallel\.comm=torch"
+    ):
+        validate_device(ParallelDims(1, 1, 2, comm="symm_mem"), torch.device("cpu"))
+
+
+def _comm_errors(rank: int, world: int, port: int, errors) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for path in ("symm_mem", "triton"):
+            try:
+                make_comm(path, dist.group.WORLD)
+            except CommUnavailable as err:
+                assert "needs CUDA GPUs" in str(err) and "\n" not in str(err), str(err)
+            else:
+                raise AssertionError(f"{path} built on CPU")
+    except Exception:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gpu_comm_paths_refuse_cpu() -> None:
+    spawn(_comm_errors, 2)
+
+
+def test_triton_path_names_missing_ops(monkeypatch) -> None:
+    import parallel.comm as comm_module
+
+    monkeypatch.setattr(comm_module, "_check_cuda_peers", lambda group, path: None)
+
+    class Group:
+        pass
+
+    monkeypatch.setattr(comm_module.dist, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(comm_module.dist, "get_rank", lambda group: 0)
+    comm = comm_module.TritonComm(Group())
+    with pytest.raises(
+        CommUnavailable, match=r"parallel\.comm=triton: all_gather_matmul has no Triton kernel yet"
+    ):
+        comm.require(["all_gather_matmul"])
+    with pytest.raises(CommUnavailable, match=r"matmul_reduce_scatter has no Triton kernel yet"):
+        comm.matmul_reduce_scatter(torch.zeros(2, 2), torch.zeros(2, 2), 0)
