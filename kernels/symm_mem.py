@@ -199,7 +199,12 @@ def get_symm_buffer(
     ptrs = getattr(handle, "buffer_ptrs", None)
     if ptrs:
         base_offset = tensor.data_ptr() - int(ptrs[rank])
-    pad = handle.get_signal_pad(rank, (PAD_INT32S,), dtype=torch.int32)
+    try:
+        pad = handle.get_signal_pad(rank, [PAD_INT32S], dtype=torch.int32)
+    except (TypeError, RuntimeError):
+        pad = handle.get_signal_pad(rank).view(torch.int32)
+    if pad.numel() < PAD_INT32S:
+        raise SymmMemError(f"signal pad of {pad.numel() * 4} bytes; the barriers need {PAD_INT32S * 4}")
     pad.zero_()
     buf = SymmBuffer(
         group_name=group.group_name,

@@ -334,9 +334,11 @@ def test_gpu_comm_paths_refuse_cpu() -> None:
 
 
 def test_triton_path_names_missing_ops(monkeypatch) -> None:
+    import kernels.custom_all_reduce
     import parallel.comm as comm_module
 
     monkeypatch.setattr(comm_module, "_check_cuda_peers", lambda group, path: None)
+    monkeypatch.setattr(kernels.custom_all_reduce, "get_custom_all_reduce", lambda group: None)
 
     class Group:
         pass
@@ -348,5 +350,6 @@ def test_triton_path_names_missing_ops(monkeypatch) -> None:
         CommUnavailable, match=r"parallel\.comm=triton: all_gather_matmul has no Triton kernel yet"
     ):
         comm.require(["all_gather_matmul"])
+    assert comm.available("all_reduce") is None  # kernels/custom_all_reduce.py
     with pytest.raises(CommUnavailable, match=r"matmul_reduce_scatter has no Triton kernel yet"):
         comm.matmul_reduce_scatter(torch.zeros(2, 2), torch.zeros(2, 2), 0)
