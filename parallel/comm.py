@@ -221,7 +221,7 @@ class SymmMemComm(Comm):
 # The triton path: op -> (module in kernels/, function name). The function takes the same arguments
 # as the Comm method after `self`, plus `group=`. Ops missing from kernels/ give a clear error.
 TRITON_KERNELS: dict[str, tuple[str, str]] = {
-    "all_reduce": ("kernels.all_reduce", "all_reduce"),
+    "all_reduce": ("kernels.custom_all_reduce", "all_reduce"),
     "all_gather_matmul": ("kernels.ag_matmul", "all_gather_matmul"),
     "matmul_reduce_scatter": ("kernels.matmul_rs", "matmul_reduce_scatter"),
     "all_to_all": ("kernels.all_to_all", "all_to_all"),
@@ -248,6 +248,12 @@ class TritonComm(Comm):
         super().__init__(group)
         _check_cuda_peers(group, self.name)
         self._kernels = {op: _find_kernel(op) for op in TRITON_KERNELS}
+        if self._kernels["all_reduce"] is not None:
+            # Allocate and rendezvous the all-reduce's symmetric buffer now (collective over the group),
+            # not at the first call, which may be inside a CUDA graph capture.
+            from kernels.custom_all_reduce import get_custom_all_reduce
+
+            get_custom_all_reduce(group)
 
     def available(self, op: str) -> str | None:
         if self._kernels.get(op) is None:
