@@ -174,8 +174,8 @@ def launch_all_reduce(
         raise ValueError("direct=True needs inp to start at the buffer's direct region")
     if inp.data_ptr() % 16 or out.data_ptr() % 16:
         raise ValueError("inp and out must be 16-byte aligned")
-    if not 1 <= num_blocks <= MAX_BLOCKS:
-        raise ValueError(f"num_blocks must be in 1..{MAX_BLOCKS}, got {num_blocks}")
+    if not 1 <= num_blocks <= MAX_BLOCKS.value:
+        raise ValueError(f"num_blocks must be in 1..{MAX_BLOCKS.value}, got {num_blocks}")
     if nbytes == 0:
         return out
     vec = vector_elems(inp.dtype)

@@ -40,13 +40,16 @@ DEFAULT_MAX_SIZE = 32 << 20
 KiB, MiB = 1 << 10, 1 << 20
 
 # Largest message (bytes) that goes one-shot; two-shot above. Keyed by world size, then dtype.
-# Measured with `torchrun --nproc_per_node=4 benchmarks/bench_all_reduce.py` on 4x H200
-# (benchmarks/results/all_reduce-4xh200.md); world 2 and 8 follow the same crossover in bytes read
-# per rank ((W - 1) x size), scaled from the world-4 figure, until measured.
+# World 2, measured (`torchrun --nproc_per_node=2 benchmarks/bench_all_reduce.py --sweep` on 2x H200,
+# benchmarks/results/all_reduce_sweep-2xh200.md): one-shot was faster than two-shot at every size from
+# 4 KiB to 32 MiB (two GPUs: both move the same bytes, two-shot pays a second barrier). Worlds 4 and 8
+# are NOT measured yet (no 4- or 8-GPU machine was lent): one-shot reads (W - 1) x size per rank,
+# two-shot moves 2 (W - 1) / W x size, so the crossover is placed where one-shot reads about as many
+# remote bytes as at world 2's 1 MiB point (~10 us): replace with a sweep on 4 and 8 GPUs.
 ONE_SHOT_MAX_BYTES: dict[int, dict[torch.dtype, int]] = {
-    2: {torch.bfloat16: 1 * MiB, torch.float16: 1 * MiB, torch.float32: 1 * MiB},
+    2: {torch.bfloat16: 1 << 40, torch.float16: 1 << 40, torch.float32: 1 << 40},
     4: {torch.bfloat16: 256 * KiB, torch.float16: 256 * KiB, torch.float32: 256 * KiB},
-    8: {torch.bfloat16: 64 * KiB, torch.float16: 64 * KiB, torch.float32: 64 * KiB},
+    8: {torch.bfloat16: 128 * KiB, torch.float16: 128 * KiB, torch.float32: 128 * KiB},
 }
 
 
@@ -59,18 +62,21 @@ class LaunchRow:
     max_blocks: int
 
 
-# First row whose max_bytes >= the message size (measured sweep on 4x H200, bench --sweep).
+# First row whose max_bytes >= the message size. From the 2x H200 launch sweep
+# (all_reduce_sweep-2xh200.md): small messages are fastest with 4 warps and one 16-byte vector per
+# thread spread over as many programs as that takes; from ~64 KiB more warps and up to 64 programs;
+# beyond 1 MiB (bandwidth-bound) up to 128 programs, one per SM.
 LAUNCH: dict[str, tuple[LaunchRow, ...]] = {
     "one_shot": (
-        LaunchRow(16 * KiB, 8, 4),
-        LaunchRow(128 * KiB, 8, 16),
-        LaunchRow(1 * MiB, 16, 32),
-        LaunchRow(1 << 62, 16, 64),
+        LaunchRow(32 * KiB, 4, 16),
+        LaunchRow(128 * KiB, 8, 32),
+        LaunchRow(1 * MiB, 16, 64),
+        LaunchRow(1 << 62, 16, 128),
     ),
     "two_shot": (
-        LaunchRow(64 * KiB, 8, 4),
-        LaunchRow(1 * MiB, 16, 16),
-        LaunchRow(1 << 62, 16, 64),
+        LaunchRow(32 * KiB, 4, 16),
+        LaunchRow(1 * MiB, 8, 64),
+        LaunchRow(1 << 62, 16, 128),
     ),
 }
 

@@ -45,8 +45,8 @@ import triton
 import triton.language as tl
 
 MAX_WORLD = tl.constexpr(8)  # flag stride per (barrier, program); world sizes up to 8 (one node)
-MAX_BLOCKS = tl.constexpr(64)  # programs per kernel launch that may take part in barriers
-NUM_BARRIERS = tl.constexpr(4)  # distinct barrier ids per kernel
+MAX_BLOCKS = tl.constexpr(128)  # programs per kernel launch that may take part in barriers (H200: 132 SMs)
+NUM_BARRIERS = tl.constexpr(2)  # distinct barrier ids per kernel
 # 8 KiB of flags; torch's default signal pad is 9216 bytes.
 PAD_INT32S = NUM_BARRIERS.value * MAX_BLOCKS.value * MAX_WORLD.value
 DEFAULT_TIMEOUT_S = float(os.environ.get("WEFT_SYMM_MEM_TIMEOUT_S", "30"))

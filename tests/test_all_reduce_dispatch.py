@@ -36,9 +36,10 @@ def test_one_shot_up_to_the_threshold_then_two_shot() -> None:
     for world in SUPPORTED_WORLD_SIZES:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             limit = ONE_SHOT_MAX_BYTES[world][dtype]
-            assert choose_algorithm(16, world, dtype, 64 * MiB) == "one_shot"
-            assert choose_algorithm(limit, world, dtype, 64 * MiB) == "one_shot"
-            assert choose_algorithm(limit + 16, world, dtype, 64 * MiB) == "two_shot"
+            big = 2 * limit + 32
+            assert choose_algorithm(16, world, dtype, big) == "one_shot"
+            assert choose_algorithm(limit, world, dtype, big) == "one_shot"
+            assert choose_algorithm(limit + 16, world, dtype, big) == "two_shot"
 
 
 def test_nccl_beyond_max_size_and_for_what_the_kernels_do_not_cover() -> None:
