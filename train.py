@@ -3,6 +3,7 @@
     python train.py                                   # debug model on the built-in corpus
     python train.py model=llama3_8b training.steps=100
     torchrun --nproc_per_node=2 train.py              # data parallel (gloo on CPU, NCCL on GPU)
+    torchrun --nproc_per_node=4 train.py parallel.tp=2  # tensor + sequence parallel x FSDP2 (dp=2)
     python train.py hydra.run.dir=runs/mine           # run again with the same dir: resumes
 
 Every key is listed, typed and documented in configs/schema.py.
@@ -33,6 +34,15 @@ from model.llama import Llama
 from model.loading import load_weights_into, resolve_init_weights, tokenizer_dir
 from model.tokenizer import load_tokenizer, save_tokenizer
 from parallel import distributed
+from parallel.checkpoint import full_model_state, load_parallel_checkpoint, save_parallel_checkpoint
+from parallel.loss import cross_entropy
+from parallel.mesh import build_mesh, validate_model
+from parallel.parallelize import (
+    ParallelizeConfig,
+    apply_activation_checkpointing,
+    clip_grad_norm_,
+    parallelize_llama,
+)
 
 # Dense bf16 tensor-core peaks (FLOP/s), for MFU.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -99,18 +109,29 @@ def train_step(
     cfg: TrainConfig,
     device: torch.device,
     autocast_dtype: torch.dtype | None,
+    dp_size: int | None = None,
+    cp_chunk: slice | None = None,
 ) -> StepStats:
+    """One optimizer step. `dp_size`: ranks holding different batches (default: all of them);
+    `cp_chunk`: this rank's part of the sequence under context parallelism."""
     start = time.perf_counter()
     t = cfg.training
     total_loss = torch.zeros((), device=device)
+    fsdp = hasattr(model, "set_requires_gradient_sync")
     for micro in range(t.grad_accum):
         inputs, targets = (x.to(device, non_blocking=True) for x in dataset.next_batch())
-        # Only the last micro-batch all-reduces gradients under DDP.
-        sync = micro == t.grad_accum - 1 or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        if cp_chunk is not None:
+            inputs, targets = inputs[:, cp_chunk], targets[:, cp_chunk]
+        # Only the last micro-batch reduces gradients over data-parallel ranks (DDP or FSDP2).
+        last = micro == t.grad_accum - 1
+        sync = last or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
         context = model.no_sync() if not sync else torch.enable_grad()
+        if fsdp:
+            model.set_requires_gradient_sync(last)
         with context, torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             logits = model(inputs)
-            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+            # Vocabulary-parallel when tensor parallelism leaves the logits sharded (parallel/loss.py).
+            loss = cross_entropy(model, logits, targets)
             (loss / t.grad_accum).backward()
         total_loss += loss.detach() / t.grad_accum
     if dist.is_initialized():
@@ -119,11 +140,14 @@ def train_step(
     if not math.isfinite(loss_value):
         raise NonFiniteLoss(loss_value)
     clip = t.grad_clip if t.grad_clip > 0 else float("inf")
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
+    if hasattr(model, "parallel"):  # sharded parameters: the global norm needs their shards' sums
+        grad_norm = clip_grad_norm_(model, clip).item()
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    tokens = t.batch_size * t.seq_len * t.grad_accum * distributed.world_size()
+    tokens = t.batch_size * t.seq_len * t.grad_accum * (dp_size or distributed.world_size())
     return StepStats(loss_value, grad_norm, tokens, time.perf_counter() - start)
 
 
@@ -132,7 +156,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
     args: ModelArgs = OmegaConf.to_object(cfg.model)
     t = cfg.training
     world, rank = distributed.world_size(), distributed.rank()
-    distributed.validate_parallel(cfg.parallel, world, device)
+    dims = distributed.validate_parallel(cfg.parallel, world, device)
     if t.steps <= 0 or t.batch_size <= 0 or t.grad_accum <= 0:
         raise ValueError("training.steps, training.batch_size and training.grad_accum must be > 0")
     if t.seq_len > args.max_seq_len:
@@ -140,6 +164,16 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
     torch.manual_seed(t.seed)
 
     init_path, args = resolve_init_weights(cfg.checkpoint.init_from, args)
+    validate_model(dims, args, seq_len=t.seq_len)
+    # Tensor / context parallel (or FSDP asked for): the (dp, cp, tp) mesh and parallelize_llama.
+    # Otherwise every rank holds the whole model and DDP averages gradients, as before.
+    mesh = build_mesh(dims, device.type) if dims.model_parallel or (world > 1 and cfg.parallel.fsdp) else None
+    dp_rank = mesh["dp"].get_local_rank() if mesh is not None else rank
+    dp_size = dims.dp if mesh is not None else world
+    cp_chunk = None
+    if dims.cp > 1:
+        cp_rank, cp_len = mesh["cp"].get_local_rank(), t.seq_len // dims.cp
+        cp_chunk = slice(cp_rank * cp_len, (cp_rank + 1) * cp_len)
     tokenizer = load_tokenizer(tokenizer_dir(init_path))
     if tokenizer.vocab_size > args.vocab_size:
         raise ValueError(
@@ -151,8 +185,8 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
         tokenizer,
         seq_len=t.seq_len,
         batch_size=t.batch_size,
-        rank=rank,
-        world_size=world,
+        rank=dp_rank,
+        world_size=dp_size,
         seed=t.seed,
     )
 
@@ -162,6 +196,15 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
     model.init_weights()
     if init_path is not None:
         load_weights_into(model, init_path)
+    if mesh is not None:
+        # Every rank holds the same full weights here; the plan keeps each rank's slice.
+        plan = ParallelizeConfig(
+            comm=dims.comm,
+            activation_checkpointing=t.activation_checkpointing,
+            compile=t.compile,
+            fsdp=True,
+        )
+        parallelize_llama(model, mesh, plan)
     optimizer = build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, t.warmup_steps, t.steps, t.min_lr_ratio)
@@ -170,7 +213,8 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
     start_step = 0
     resume_from = latest_checkpoint(run_dir)
     if resume_from is not None:
-        meta = load_checkpoint(resume_from, model, optimizer, scheduler)
+        load = load_parallel_checkpoint if mesh is not None else load_checkpoint
+        meta = load(resume_from, model, optimizer, scheduler)
         dataset.load_state_dict(meta["data"])
         start_step = meta["step"]
     if start_step >= t.steps:
@@ -179,11 +223,13 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
         return
 
     train_model: torch.nn.Module = model
-    if world > 1:
+    if t.activation_checkpointing and mesh is None:  # (parallelize_llama applies it otherwise)
+        apply_activation_checkpointing(model)
+    if mesh is None and world > 1:
         train_model = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
-    if t.compile:
+    if t.compile and mesh is None:  # (parallelize_llama compiles each block)
         train_model = torch.compile(train_model)
     autocast_dtype = getattr(torch, t.dtype) if device.type == "cuda" and t.dtype != "float32" else None
 
@@ -191,7 +237,8 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
         save_tokenizer(tokenizer, run_dir)
         if resume_from is not None:
             print(f"resuming from {resume_from} (step {start_step})")
-        print(f"model {args.name}: {args.num_params() / 1e6:.1f}M parameters on {device} x{world}")
+        layout = f" (dp={dims.dp} cp={dims.cp} tp={dims.tp}, comm={dims.comm})" if mesh is not None else ""
+        print(f"model {args.name}: {args.num_params() / 1e6:.1f}M parameters on {device} x{world}{layout}")
 
     flops_per_token = args.training_flops_per_token(t.seq_len)
     peak = peak_flops(device)
@@ -207,7 +254,9 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
     try:
         for step in range(start_step + 1, t.steps + 1):
             try:
-                stats = train_step(train_model, optimizer, scheduler, dataset, cfg, device, autocast_dtype)
+                stats = train_step(
+                    train_model, optimizer, scheduler, dataset, cfg, device, autocast_dtype, dp_size, cp_chunk
+                )
             except NonFiniteLoss as err:
                 raise SystemExit(
                     f"loss became {err.args[0]} at step {step}: stopping. The last good checkpoint (step "
@@ -233,8 +282,13 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
                 metrics_file.flush()
             every = cfg.checkpoint.every
             if step == t.steps or step == t.stop_at or (every > 0 and step % every == 0):
+                if mesh is not None:
+                    # Sharded: every rank gathers the full tensors, rank 0 writes (layout-free format).
+                    save_parallel_checkpoint(
+                        run_dir, step, model, optimizer, scheduler, dataset.state_dict(), cfg.checkpoint.keep
+                    )
                 # Data parallel keeps identical weights and optimizer state on every rank: rank 0 saves.
-                if rank == 0:
+                elif rank == 0:
                     save_checkpoint(
                         run_dir,
                         step,
@@ -253,10 +307,13 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
         bar.close()
         if metrics_file is not None:
             metrics_file.close()
+    export = cfg.checkpoint.export_hf and step == t.steps
+    # A sharded model is gathered (by every rank) before rank 0 exports it.
+    weights = full_model_state(model) if export and mesh is not None else model
     if rank == 0:
         print(f"stopped at step {step}, last loss {stats.loss:.4f}; run directory {run_dir}")
-        if cfg.checkpoint.export_hf and step == t.steps:
-            out = export_hf(model, args, run_dir / "hf", tokenizer=tokenizer, overwrite=True)
+        if export:
+            out = export_hf(weights, args, run_dir / "hf", tokenizer=tokenizer, overwrite=True)
             print(f"exported a Hugging Face model to {out}")
 
 

@@ -138,7 +138,7 @@ def main() -> None:
                     if algo == "two_shot":
                         vectors = -(-vectors // world)
                     need = -(-vectors // (warps * 32))
-                    for blocks_ in sorted({min(b, need) for b in (1, 2, 4, 8, 16, 32, 64)}):
+                    for blocks_ in sorted({min(b, need) for b in (1, 2, 4, 8, 16, 32, 64, 128)}):
                         if need / blocks_ > 64:
                             continue
 

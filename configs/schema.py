@@ -22,6 +22,9 @@ class ParallelConfig:
     cp: int = 1
     # Communication path for tensor/sequence parallel ops: torch | symm_mem | triton.
     comm: str = "torch"
+    # Data parallelism with FSDP2 (fully_shard: parameters, gradients and optimizer state sharded) even
+    # when tp = cp = 1 (else DDP there). Always used over dp when tp * cp > 1.
+    fsdp: bool = False
 
 
 @dataclass
@@ -47,6 +50,8 @@ class TrainingConfig:
     # Autocast dtype on GPU (bfloat16 | float32); CPU always trains in float32.
     dtype: str = "bfloat16"
     compile: bool = False
+    # Recompute each transformer block in the backward (less activation memory).
+    activation_checkpointing: bool = False
 
 
 @dataclass

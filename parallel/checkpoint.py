@@ -143,3 +143,67 @@ def load_full_optimizer_state(
 
 def is_writer() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
+
+
+class _FullModelView:
+    """What model/checkpoint.save_checkpoint reads from a model (`args`, `state_dict()`), at full shape."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.args = model.args
+        self._state = full_model_state(model)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self._state
+
+
+class _FullOptimizerView:
+    """What save_checkpoint reads from an optimizer (`state_dict()`), at full shape."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self._state = full_optimizer_state(model, optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state
+
+
+def save_parallel_checkpoint(
+    run_dir, step: int, model: nn.Module, optimizer, scheduler, data_state, keep: int
+):
+    """model/checkpoint.save_checkpoint for a parallelized model: every rank gathers (collective), rank
+    0 writes the usual layout-free checkpoint. Returns the directory on rank 0, None elsewhere."""
+    from model.checkpoint import save_checkpoint
+
+    model_view = _FullModelView(model)
+    optim_view = _FullOptimizerView(model, optimizer) if optimizer is not None else None
+    if not is_writer():
+        return None
+    return save_checkpoint(run_dir, step, model_view, optim_view, scheduler, data_state, keep=keep)
+
+
+def load_parallel_checkpoint(path, model: nn.Module, optimizer=None, scheduler=None) -> dict[str, Any]:
+    """model/checkpoint.load_checkpoint for a parallelized model: the checkpoint is loaded (with all its
+    checks, and the RNG / scheduler restored) into a full-size stand-in on the CPU with the same
+    parameter order and optimizer groups, whose tensors are then sliced into this rank's shards."""
+    from model.checkpoint import load_checkpoint
+    from model.llama import Llama
+
+    with torch.device("meta"):
+        stand_in = Llama(model.args)
+    stand_in.to_empty(device="cpu")
+    stand_in_optim = None
+    if optimizer is not None:
+        by_name = dict(stand_in.named_parameters())
+        names = _param_names(model, optimizer)
+        groups, index = [], 0
+        for group in optimizer.param_groups:
+            params = []
+            for _ in group["params"]:
+                params.append(by_name[names[index]])
+                index += 1
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+        stand_in_optim = torch.optim.Optimizer(groups, defaults={})
+    meta = load_checkpoint(path, stand_in, stand_in_optim, scheduler)
+    load_full_model_state(model, full_model_state(stand_in), source=str(path))
+    if optimizer is not None:
+        load_full_optimizer_state(model, optimizer, stand_in_optim.state_dict())
+    return meta

@@ -55,24 +55,12 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def validate_parallel(parallel, world: int, device: torch.device) -> None:
-    """Fail before any work when the parallel layout cannot run this model on this world."""
-    tp, cp = parallel.tp, parallel.cp
-    if tp < 1 or cp < 1:
-        raise ValueError(f"parallel.tp={tp} and parallel.cp={cp} must be >= 1")
-    if world % (tp * cp) != 0:
-        raise ValueError(
-            f"world size {world} is not a multiple of parallel.tp * parallel.cp = {tp * cp}: "
-            "change --nproc_per_node or the parallel degrees"
-        )
-    if parallel.comm not in ("torch", "symm_mem", "triton"):
-        raise ValueError(f"parallel.comm={parallel.comm!r} is not one of torch, symm_mem, triton")
-    if parallel.comm != "torch" and device.type != "cuda":
-        raise ValueError(
-            f"parallel.comm={parallel.comm} needs CUDA GPUs; on {device.type} use parallel.comm=torch"
-        )
-    if tp * cp > 1:
-        raise ValueError(
-            f"parallel.tp={tp} parallel.cp={cp}: this build trains with data parallelism only; "
-            "set parallel.tp=1 parallel.cp=1"
-        )
+def validate_parallel(parallel, world: int, device: torch.device):
+    """Fail before any work when the parallel layout cannot run on this world and device; returns
+    the layout (parallel/mesh.py's ParallelDims: dp inferred). The model's shape is checked by
+    parallel.mesh.validate_model once it is known."""
+    from parallel.mesh import parallel_dims, validate_device
+
+    dims = parallel_dims(parallel, world)
+    validate_device(dims, device)
+    return dims

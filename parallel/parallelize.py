@@ -174,6 +174,13 @@ def _checkpointed_forward(block: TransformerBlock, *args, **kwargs):
     return checkpoint(TransformerBlock.forward, block, *args, use_reentrant=False, **kwargs)
 
 
+def apply_activation_checkpointing(model: Llama) -> None:
+    """Recompute each block in the backward (non-reentrant torch.utils.checkpoint); parameter names
+    are unchanged (the block's forward is replaced, the module is not wrapped)."""
+    for block in model.layers:
+        block.forward = functools.partial(_checkpointed_forward, block)
+
+
 def parallelize_llama(model: Llama, mesh: DeviceMesh, cfg: ParallelizeConfig | None = None) -> Llama:
     """Apply the layout of `mesh` (dims "dp", "cp", "tp"; parallel/mesh.py) to `model` in place and
     return it. The model must hold its full weights (identical on every rank)."""
@@ -188,10 +195,10 @@ def parallelize_llama(model: Llama, mesh: DeviceMesh, cfg: ParallelizeConfig | N
     if cp > 1:
         apply_context_parallel(model, mesh)
 
-    for block in model.layers:
-        if cfg.activation_checkpointing:
-            block.forward = functools.partial(_checkpointed_forward, block)
-        if cfg.compile:
+    if cfg.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if cfg.compile:
+        for block in model.layers:
             block.compile()
 
     dp_mesh = data_parallel_mesh(mesh)
