@@ -5,6 +5,7 @@
     python serve.py mode=generate checkpoint=runs/train/X prompt="def fib(n):"
     python serve.py checkpoint=/path/to/Llama-3.1-8B mode=generate   # a Hugging Face directory
     python serve.py -m batch_size=1,8,32                     # one benchmark per batch size
+    torchrun --nproc_per_node=4 serve.py parallel.tp=4 model=llama3_8b   # tensor parallel decode
 
 Every key is listed, typed and documented in configs/schema.py.
 """
@@ -30,6 +31,8 @@ from model.llama import Llama
 from model.loading import load_weights_into, resolve_init_weights, tokenizer_dir
 from model.tokenizer import load_tokenizer
 from parallel import distributed
+from parallel.mesh import build_mesh, validate_model
+from parallel.parallelize import ParallelizeConfig, parallelize_llama
 from train import resolve_device
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -79,7 +82,9 @@ def decode_bytes_per_step(model: Llama, batch: int, cache_len: int) -> int:
     # Decode reads `batch` rows of the embedding, all of it only as a tied bf16 output projection.
     weights -= 0 if model.args.tie_embeddings and not model.args.fp8 else table
     args = model.args
-    kv = 2 * args.n_layers * batch * args.n_kv_heads * args.head_dim * cache_len * embedding.element_size()
+    # This rank's key/value heads (all of them, or its share under tensor parallelism).
+    kv_heads = model.layers[0].attention.n_kv_heads
+    kv = 2 * args.n_layers * batch * kv_heads * args.head_dim * cache_len * embedding.element_size()
     return weights + kv
 
 
@@ -147,7 +152,14 @@ def benchmark_decode(
 
 def run(cfg: ServeConfig, run_dir: Path) -> None:
     device = resolve_device(cfg.device)
-    distributed.validate_parallel(cfg.parallel, distributed.world_size(), device)
+    dims = distributed.validate_parallel(cfg.parallel, distributed.world_size(), device)
+    if dims.cp > 1 or dims.dp > 1:
+        raise ValueError(
+            f"serve.py decodes one model over all {dims.world} ranks with tensor parallelism: "
+            f"set parallel.tp={dims.world} parallel.cp=1"
+        )
+    if dims.tp > 1 and cfg.model.fp8:
+        raise ValueError("model.fp8=true does not yet run with parallel.tp > 1: set parallel.tp=1")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
     dtype = DTYPES[cfg.dtype]
@@ -157,7 +169,13 @@ def run(cfg: ServeConfig, run_dir: Path) -> None:
         raise ValueError(f"mode={cfg.mode!r} is not one of bench, generate")
     torch.manual_seed(cfg.seed)
     checkpoint, args = resolve_init_weights(cfg.checkpoint, OmegaConf.to_object(cfg.model))
+    validate_model(dims, args, training=False)
     model = build_model(args, checkpoint, device, dtype)
+    if dims.tp > 1:
+        # Decode: no sequence parallelism; row-parallel outputs all-reduced through parallel.comm,
+        # full logits gathered for sampling. Each rank keeps its slice of the full weights loaded above.
+        plan = ParallelizeConfig(comm=dims.comm, sequence_parallel=False, fsdp=False)
+        parallelize_llama(model, build_mesh(dims, device.type), plan)
     is_main = distributed.rank() == 0
 
     if cfg.mode == "generate":
