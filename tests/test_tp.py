@@ -353,3 +353,46 @@ def test_triton_path_names_missing_ops(monkeypatch) -> None:
     assert comm.available("all_reduce") is None  # kernels/custom_all_reduce.py
     with pytest.raises(CommUnavailable, match=r"matmul_reduce_scatter has no Triton kernel yet"):
         comm.matmul_reduce_scatter(torch.zeros(2, 2), torch.zeros(2, 2), 0)
+
+
+# -- end to end: torchrun train.py / serve.py ------------------------------------------------------------
+
+
+def test_torchrun_tp_train_resume_at_other_tp_then_serve(tmp_path: Path) -> None:
+    """Training at tp=2, stopped and resumed at tp=4, logs the losses of a tp=1 run; the checkpoint
+    decodes the same tokens at tp=2 as at tp=1."""
+    import json
+
+    from tests.test_train_serve import TINY, run_script
+
+    common = [*TINY, "model.n_kv_heads=4", "device=cpu", "training.steps=6", "checkpoint.every=0"]
+
+    def losses(run_dir: Path) -> list[float]:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line)["loss"] for line in lines]
+
+    done = run_script("train.py", *common, f"hydra.run.dir={tmp_path / 'tp1'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    mixed = tmp_path / "mixed"
+    for tp, extra in ((2, ["training.stop_at=3"]), (4, [])):
+        done = run_script(
+            "train.py", *common, f"parallel.tp={tp}", *extra, f"hydra.run.dir={mixed}", torchrun=tp
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert f"tp={tp}" in done.stdout and "resuming from" in done.stdout
+    assert losses(mixed) == pytest.approx(losses(tmp_path / "tp1"), abs=2e-5)
+
+    generate = ["mode=generate", f"checkpoint={mixed}", "prompt=def", "max_new_tokens=24", "dtype=float32"]
+    outs = [
+        run_script("serve.py", *generate, "device=cpu", f"hydra.run.dir={tmp_path / 's1'}"),
+        run_script(
+            "serve.py",
+            *generate,
+            "device=cpu",
+            "parallel.tp=2",
+            f"hydra.run.dir={tmp_path / 's2'}",
+            torchrun=2,
+        ),
+    ]
+    assert all(out.returncode == 0 for out in outs), [out.stderr[-2000:] for out in outs]
+    assert outs[0].stdout == outs[1].stdout and outs[0].stdout.startswith("def")
