@@ -1,0 +1,159 @@
+"""Training throughput of tensor + sequence parallel Llama-3-8B shapes for each comm path, side by side.
+
+    torchrun --nproc_per_node=4 -m benchmarks.bench_train_tp                  # tp=4, 4 layers, seq 8192
+    torchrun --nproc_per_node=4 -m benchmarks.bench_train_tp --layers 8 --comms torch symm_mem triton
+
+Llama-3-8B's width (dim 4096, 32 heads / 8 kv heads, MLP 14336, vocabulary 128256) with fewer layers
+so a run fits in minutes; bf16 autocast over fp32 weights, AdamW, one sequence of 8192 tokens per step
+(dp = 1: all ranks are one tensor-parallel group). Reports tokens/s per GPU and MFU (model FLOPs per
+token from ModelArgs.training_flops_per_token, dense bf16 peak of the GPU) per comm path; a path that
+cannot run here (e.g. triton before its AG-matmul kernel exists) gets a row saying why. Writes
+benchmarks/results/train_tp-llama3_8b-L<layers>-<W>x<gpu>.json / .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.common import device_name, write_results
+from model.args import ModelArgs
+from model.llama import Llama
+from parallel.comm import CommUnavailable
+from parallel.loss import cross_entropy
+from parallel.mesh import ParallelDims, build_mesh, validate_device, validate_model
+from parallel.parallelize import ParallelizeConfig, clip_grad_norm_, parallelize_llama
+
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
+
+
+def llama3_8b(layers: int, seq: int) -> ModelArgs:
+    return ModelArgs(
+        name=f"llama3_8b-L{layers}",
+        dim=4096,
+        n_layers=layers,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_hidden=14336,
+        norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_seq_len=seq,
+    )
+
+
+def bench_path(comm: str, opts, args: ModelArgs, device: torch.device) -> dict[str, object]:
+    world = dist.get_world_size()
+    dims = ParallelDims(dp=world // opts.tp, cp=1, tp=opts.tp, comm=comm)
+    row: dict[str, object] = {"comm": comm, "tp": opts.tp, "layers": args.n_layers, "seq": opts.seq}
+    try:
+        validate_device(dims, device)
+        validate_model(dims, args, seq_len=opts.seq)
+        with torch.device("meta"):
+            model = Llama(args)
+        plan = ParallelizeConfig(
+            comm=comm,
+            save_gathered=not opts.regather,
+            activation_checkpointing=opts.activation_checkpointing,
+            compile=opts.compile,
+        )
+        # Shard on the meta device, then materialise only this rank's slices (random weights).
+        parallelize_llama(model, build_mesh(dims, "cuda"), plan)
+    except (CommUnavailable, ValueError) as err:
+        row["status"] = f"unavailable: {err}"
+        return row
+    model.to_empty(device=device)
+    model.init_weights()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, args.vocab_size, (opts.batch, opts.seq + 1), device=device)
+    dist.broadcast(tokens, src=0)  # one tensor-parallel group: every rank reads the same batch
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+
+    def step() -> float:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = cross_entropy(model, model(inputs), targets)
+        loss.backward()
+        clip_grad_norm_(model, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(opts.warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(opts.steps):
+        loss = step()
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - start) / opts.steps
+    tokens_per_gpu = opts.batch * opts.seq * dims.dp / world / seconds
+    peak = next((v for k, v in PEAK_BF16.items() if k in torch.cuda.get_device_name()), None)
+    row.update(
+        {
+            "status": "ok",
+            "step_ms": seconds * 1e3,
+            "tokens_per_s_per_gpu": tokens_per_gpu,
+            "mfu": tokens_per_gpu * args.training_flops_per_token(opts.seq) / peak if peak else float("nan"),
+            "memory_gb": torch.cuda.max_memory_allocated() / 1e9,
+            "loss": float(loss),
+        }
+    )
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--comms", nargs="+", default=["torch", "symm_mem", "triton"])
+    parser.add_argument("--tp", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="torch.compile each block")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--regather", action="store_true", help="re-gather AG-matmul inputs in the backward")
+    opts = parser.parse_args()
+
+    if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
+        raise SystemExit("GPU benchmark: run under torchrun on CUDA GPUs (see the module docstring)")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+    args = llama3_8b(opts.layers, opts.seq)
+    rows = []
+    for comm in opts.comms:
+        rows.append(bench_path(comm, opts, args, device))
+        gc.collect()  # the previous path's model and optimizer
+        torch.cuda.empty_cache()
+    if dist.get_rank() == 0:
+        switches = [
+            ("--compile", opts.compile),
+            ("--activation-checkpointing", opts.activation_checkpointing),
+            ("--regather", opts.regather),
+        ]
+        flags = " ".join(flag for flag, on in switches if on)
+        command = (
+            f"torchrun --nproc_per_node={dist.get_world_size()} -m benchmarks.bench_train_tp "
+            f"--layers {opts.layers} --seq {opts.seq} --batch {opts.batch} --tp {opts.tp} {flags}"
+        )
+        notes = (
+            f"`{command.strip()}`: Llama-3-8B width, {opts.layers} layers, bf16 autocast, AdamW; mean of "
+            f"{opts.steps} steps after {opts.warmup} warm-up steps. "
+            "MFU = tokens/s/GPU x model FLOPs/token / dense bf16 peak."
+        )
+        write_results(f"train_tp-llama3_8b-L{opts.layers}", rows, notes=notes, device=device_name())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
