@@ -31,7 +31,7 @@ from model.llama import Llama
 from model.loading import load_weights_into, resolve_init_weights, tokenizer_dir
 from model.tokenizer import load_tokenizer
 from parallel import distributed
-from parallel.mesh import build_mesh, validate_model
+from parallel.mesh import build_mesh, validate_comm_ops, validate_model
 from parallel.parallelize import ParallelizeConfig, parallelize_llama
 from train import resolve_device
 
@@ -153,6 +153,7 @@ def benchmark_decode(
 def run(cfg: ServeConfig, run_dir: Path) -> None:
     device = resolve_device(cfg.device)
     dims = distributed.validate_parallel(cfg.parallel, distributed.world_size(), device)
+    validate_comm_ops(dims, training=False)
     if dims.cp > 1 or dims.dp > 1:
         raise ValueError(
             f"serve.py decodes one model over all {dims.world} ranks with tensor parallelism: "

@@ -36,7 +36,7 @@ from model.tokenizer import load_tokenizer, save_tokenizer
 from parallel import distributed
 from parallel.checkpoint import full_model_state, load_parallel_checkpoint, save_parallel_checkpoint
 from parallel.loss import cross_entropy
-from parallel.mesh import build_mesh, validate_model
+from parallel.mesh import build_mesh, validate_comm_ops, validate_model
 from parallel.parallelize import (
     ParallelizeConfig,
     apply_activation_checkpointing,
@@ -157,6 +157,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
     t = cfg.training
     world, rank = distributed.world_size(), distributed.rank()
     dims = distributed.validate_parallel(cfg.parallel, world, device)
+    validate_comm_ops(dims, training=True)
     if t.steps <= 0 or t.batch_size <= 0 or t.grad_accum <= 0:
         raise ValueError("training.steps, training.batch_size and training.grad_accum must be > 0")
     if t.seq_len > args.max_seq_len:

@@ -284,6 +284,20 @@ class TritonComm(Comm):
 _PATHS: dict[str, type[Comm]] = {"torch": TorchComm, "symm_mem": SymmMemComm, "triton": TritonComm}
 
 
+def check_ops(path: str, ops: Sequence[str]) -> None:
+    """Raise CommUnavailable (one line, naming the op) when `path` has no implementation of one of
+    `ops`; needs no process group, so it runs before any work."""
+    if path != "triton":
+        return
+    for op in ops:
+        if _find_kernel(op) is None:
+            module, attr = TRITON_KERNELS[op]
+            raise CommUnavailable(
+                f"parallel.comm=triton: {op} has no Triton kernel yet ({module}.{attr} does not exist): "
+                "use parallel.comm=torch or parallel.comm=symm_mem"
+            )
+
+
 def make_comm(path: str, group: dist.ProcessGroup, require: Sequence[str] = ()) -> Comm:
     """The ops of `path` over `group`; raises a one-line error when `path` cannot run here or lacks one
     of the `require`d ops."""

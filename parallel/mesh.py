@@ -115,6 +115,15 @@ def validate_device(dims: ParallelDims, device: torch.device) -> None:
         )
 
 
+def validate_comm_ops(dims: ParallelDims, training: bool) -> None:
+    """The comm path must implement every op the layout calls (triton: its kernels must exist):
+    training with tp > 1 calls AG-matmul and matmul-RS, decode with tp > 1 the all-reduce."""
+    from parallel.comm import check_ops
+
+    if dims.tp > 1:
+        check_ops(dims.comm, ["all_gather_matmul", "matmul_reduce_scatter"] if training else ["all_reduce"])
+
+
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     """The global DeviceMesh of shape (dp, cp, tp), dims named "dp", "cp", "tp"."""
     if not dist.is_initialized():

@@ -30,7 +30,14 @@ from parallel.checkpoint import (
 )
 from parallel.comm import CommUnavailable, make_comm
 from parallel.loss import cross_entropy
-from parallel.mesh import ParallelDims, build_mesh, parallel_dims, validate_device, validate_model
+from parallel.mesh import (
+    ParallelDims,
+    build_mesh,
+    parallel_dims,
+    validate_comm_ops,
+    validate_device,
+    validate_model,
+)
 from parallel.parallelize import ParallelizeConfig, clip_grad_norm_, parallelize_llama
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -309,6 +316,13 @@ def test_bad_layouts_fail_with_one_line_errors() -> None:
         ValueError, match=r"parallel\.comm=symm_mem needs CUDA GPUs; on cpu use parallel\.comm=torch"
     ):
         validate_device(ParallelDims(1, 1, 2, comm="symm_mem"), torch.device("cpu"))
+    # The triton path before its AG-matmul kernel exists: training refuses, naming the op; decode runs
+    # on kernels/custom_all_reduce.py.
+    with pytest.raises(
+        CommUnavailable, match=r"parallel\.comm=triton: all_gather_matmul has no Triton kernel"
+    ):
+        validate_comm_ops(ParallelDims(1, 1, 2, comm="triton"), training=True)
+    validate_comm_ops(ParallelDims(1, 1, 2, comm="triton"), training=False)
 
 
 def _comm_errors(rank: int, world: int, port: int, errors) -> None:
