@@ -50,6 +50,7 @@ class ParallelizeConfig:
     # torch.compile each block (in place: parameter names do not change).
     compile: bool = False
     # FSDP2 (fully_shard) over the data-parallel ranks (dp, and cp folded in) when there are several.
+    # False leaves gradients unsynchronised over dp / cp: for decode, or a caller that syncs them.
     fsdp: bool = True
     # FSDP2 mixed precision: parameters cast to this dtype for compute (None: keep fp32).
     fsdp_param_dtype: torch.dtype | None = None
