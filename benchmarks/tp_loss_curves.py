@@ -50,6 +50,34 @@ def run_training(
     return records, seconds
 
 
+def plot(curves: dict[int, list[tuple[int, float]]], tag: str) -> Path:
+    """Loss per step for each tp, and each one's difference from the first, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tps = list(curves)
+    base = dict(curves[tps[0]])
+    fig, (ax, ax_diff) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=[3, 1])
+    for i, tp in enumerate(tps):
+        style = dict(linestyle=["-", "--", ":", "-."][i % 4], color=f"C{i}", label=f"tp={tp}")
+        steps = [s for s, _ in curves[tp]]
+        ax.plot(steps, [loss for _, loss in curves[tp]], **style)
+        if i > 0:
+            ax_diff.plot(steps, [loss - base[s] for s, loss in curves[tp]], **style)
+    ax.set_ylabel("training loss")
+    ax.set_title(f"debug model, tensor + sequence parallel ({tag})")
+    ax.legend()
+    ax_diff.set_xlabel("step")
+    ax_diff.set_ylabel(f"loss - tp={tps[0]}")
+    ax_diff.legend()
+    fig.tight_layout()
+    png = RESULTS_DIR / f"tp_loss_curves-{tag}.png"
+    fig.savefig(png, dpi=110)
+    return png
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tps", type=int, nargs="+", default=[1, 2, 4])
@@ -57,7 +85,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--tag", default=None, help="device tag of the result files (default: the device)")
     parser.add_argument("overrides", nargs="*", help="extra train.py overrides, e.g. model=debug")
+    parser.add_argument("--replot", action="store_true", help="only redraw the PNG from the result JSON")
     opts = parser.parse_args()
+    if opts.replot:
+        tag = opts.tag or opts.device
+        data = json.loads((RESULTS_DIR / f"tp_loss_curves-{tag}.json").read_text())
+        print(plot({int(tp): [tuple(p) for p in c] for tp, c in data["curves"].items()}, tag))
+        return
 
     curves: dict[int, list[dict]] = {}
     seconds: dict[int, float] = {}
@@ -96,26 +130,7 @@ def main() -> None:
     data["curves"] = {str(tp): [[r["step"], r["loss"]] for r in curves[tp]] for tp in opts.tps}
     md.with_suffix(".json").write_text(json.dumps(data, indent=1))
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, ax_diff) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=[3, 1])
-    for tp, style in zip(opts.tps, ["-", "--", ":", "-."], strict=False):
-        steps = [r["step"] for r in curves[tp]]
-        ax.plot(steps, [r["loss"] for r in curves[tp]], style, label=f"tp={tp}")
-        if tp != opts.tps[0]:
-            ax_diff.plot(steps, [r["loss"] - base[r["step"]] for r in curves[tp]], style, label=f"tp={tp}")
-    ax.set_ylabel("training loss")
-    ax.set_title(f"debug model, tensor + sequence parallel ({tag})")
-    ax.legend()
-    ax_diff.set_xlabel("step")
-    ax_diff.set_ylabel(f"loss - tp={opts.tps[0]}")
-    ax_diff.legend()
-    fig.tight_layout()
-    png = RESULTS_DIR / f"tp_loss_curves-{tag}.png"
-    fig.savefig(png, dpi=110)
+    png = plot({tp: [(r["step"], r["loss"]) for r in curves[tp]] for tp in opts.tps}, tag)
     print(f"wrote {md} and {png}")
 
 
