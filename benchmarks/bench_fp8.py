@@ -2,13 +2,15 @@
 
     python -m benchmarks.bench_fp8              # norm, SwiGLU and GEMM tables
     python -m benchmarks.bench_fp8 --tune       # tune GEMM tiles first (kernels/fp8_gemm_configs.json)
+    python -m benchmarks.bench_fp8 --sweep-rows # also time the row kernels' launch variants
 
 Norm: residual add + RMSNorm + per-token FP8 quantize of [rows, 16384] (ours, eager torch,
 torch.compile); bytes = 2 (x) + 2 + 2 (residual in and out) + 1 (fp8 out) per element.
 SwiGLU: [rows, 2 x 14336] -> FP8 [rows, 14336]; bytes = 4 + 1 per output element.
 GEMM: FP8 x FP8 -> bf16 at M = 1..64 (ours and torch._scaled_mm, both with per-token x per-channel
-scales); bandwidth counts the weight bytes. Weights (and inputs) are rotated among copies that
-together exceed the L2 cache, so every call reads from HBM.
+scales); bandwidth counts the weight bytes. Weights (norm weights too) and inputs are rotated among
+copies that together exceed the L2 cache, so every call reads from HBM. Our kernels are timed with
+programmatic dependent launch (as served) and without.
 """
 
 from __future__ import annotations
@@ -53,28 +55,46 @@ def time_us(fns: list[Callable[[], object]]) -> float:
     return time_graph(rotating(fns), calls_per_graph=max(20, len(fns)), replays=20) * 1e3
 
 
+def set_pdl(on: bool) -> None:
+    fp8.USE_PDL = on
+
+
+def both_pdl(fns: list[Callable[[], object]]) -> tuple[float, float]:
+    """(us with programmatic dependent launch, us without) for our kernels."""
+    set_pdl(False)
+    plain = time_us(fns)
+    set_pdl(True)
+    return time_us(fns), plain
+
+
+def norm_sets(rows: int, hidden: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    nbytes = rows * hidden * 7 + rows * 4 + hidden * 2
+    return [
+        (
+            torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16),
+            torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16),
+            torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5,
+        )
+        for _ in range(copies_for(nbytes))
+    ]
+
+
 def bench_norm(hidden: int = 16384) -> list[dict[str, object]]:
-    compiled = torch.compile(add_rmsnorm_fp8_reference)
+    compiled = torch.compile(add_rmsnorm_fp8_reference, dynamic=False)
     rows_out = []
     for rows in ROWS:
         nbytes = rows * hidden * 7 + rows * 4
-        sets = [
-            (
-                torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16),
-                torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16),
-            )
-            for _ in range(copies_for(nbytes))
-        ]
-        weight = torch.rand(hidden, device="cuda", dtype=torch.bfloat16) + 0.5
-        ours = time_us([partial(add_rmsnorm_fp8, x, r, weight, 1e-5, None) for x, r in sets])
-        eager = time_us([partial(add_rmsnorm_fp8_reference, x, r, weight, 1e-5, None) for x, r in sets])
-        comp = time_us([partial(compiled, x, r, weight, 1e-5, None) for x, r in sets])
-        rows_out.append(row("add+rmsnorm+fp8", rows, hidden, nbytes, ours, eager, comp))
+        sets = norm_sets(rows, hidden)
+        ours, plain = both_pdl([partial(add_rmsnorm_fp8, x, r, w, 1e-5, None) for x, r, w in sets])
+        eager = time_us([partial(add_rmsnorm_fp8_reference, x, r, w, 1e-5, None) for x, r, w in sets])
+        comp = time_us([partial(compiled, x, r, w, 1e-5, None) for x, r, w in sets])
+        rows_out.append(row("add+rmsnorm+fp8", rows, hidden, nbytes, ours, plain, eager, comp))
+        print(rows_out[-1], flush=True)
     return rows_out
 
 
 def bench_swiglu(hidden: int = 14336) -> list[dict[str, object]]:
-    compiled = torch.compile(swiglu_fp8_reference)
+    compiled = torch.compile(swiglu_fp8_reference, dynamic=False)
     rows_out = []
     for rows in ROWS:
         nbytes = rows * hidden * 5 + rows * 4
@@ -82,45 +102,67 @@ def bench_swiglu(hidden: int = 14336) -> list[dict[str, object]]:
             torch.randn(rows, 2 * hidden, device="cuda", dtype=torch.bfloat16)
             for _ in range(copies_for(nbytes))
         ]
-        ours = time_us([partial(swiglu_fp8, x, None) for x in inputs])
+        ours, plain = both_pdl([partial(swiglu_fp8, x, None) for x in inputs])
         eager = time_us([partial(swiglu_fp8_reference, x, None) for x in inputs])
         comp = time_us([partial(compiled, x, None) for x in inputs])
-        rows_out.append(row("swiglu+fp8", rows, hidden, nbytes, ours, eager, comp))
+        rows_out.append(row("swiglu+fp8", rows, hidden, nbytes, ours, plain, eager, comp))
+        print(rows_out[-1], flush=True)
     return rows_out
 
 
 def row(
-    op: str, rows: int, hidden: int, nbytes: int, ours: float, eager: float, comp: float
+    op: str, rows: int, hidden: int, nbytes: int, ours: float, plain: float, eager: float, comp: float
 ) -> dict[str, object]:
     return {
         "op": op,
         "rows": rows,
         "hidden": hidden,
         "ours_us": ours,
+        "ours_no_pdl_us": plain,
         "eager_us": eager,
         "compile_us": comp,
         "ours_TBps": nbytes / ours / 1e6,
+        "ours_no_pdl_TBps": nbytes / plain / 1e6,
         "compile_TBps": nbytes / comp / 1e6,
         "speedup_vs_compile": comp / ours,
     }
 
 
-def sweep_row_warps() -> None:
-    """Norm and SwiGLU at 1, 64, 1024 and 2048 rows for several kernels.fp8.ELEMENTS_PER_WARP."""
-    default = fp8.ELEMENTS_PER_WARP
-    for per_warp in [256, 512, 1024, 2048]:
-        fp8.ELEMENTS_PER_WARP = per_warp
-        for rows in [1, 64, 1024, 2048]:
-            x, r = (torch.randn(rows, 16384, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-            w = torch.rand(16384, device="cuda", dtype=torch.bfloat16)
-            gate_up = torch.randn(rows, 2 * 14336, device="cuda", dtype=torch.bfloat16)
-            norm_us = time_us([partial(add_rmsnorm_fp8, x, r, w, 1e-5, None)])
-            swiglu_us = time_us([partial(swiglu_fp8, gate_up, None)])
-            print(
-                f"elements/warp {per_warp} rows {rows}: norm {norm_us:.2f} us, swiglu {swiglu_us:.2f} us",
-                flush=True,
+def sweep_rows() -> list[dict[str, object]]:
+    """Norm and SwiGLU at 1, 256, 1024 and 2048 rows: one program per row vs persistent, elements
+    per warp, PDL on and off (kernels.fp8 knobs)."""
+    defaults = (fp8.ELEMENTS_PER_WARP, fp8.PERSISTENT_WAVES, fp8.USE_PDL)
+    out = []
+    cases = {}
+    for rows in [1, 256, 1024, 2048]:
+        sets = norm_sets(rows, 16384)
+        gate_up = [
+            torch.randn(rows, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+            for _ in range(copies_for(rows * 14336 * 5))
+        ]
+        cases[rows] = (sets, gate_up)
+    for per_warp, waves, pdl in itertools.product([512, 1024], [0, 10**9], [True, False]):
+        fp8.ELEMENTS_PER_WARP, fp8.PERSISTENT_WAVES, fp8.USE_PDL = per_warp, waves, pdl
+        for rows, (sets, gate_up) in cases.items():
+            if waves == 0 and rows == 1:
+                continue
+            norm_us = time_us([partial(add_rmsnorm_fp8, x, r, w, 1e-5, None) for x, r, w in sets])
+            swiglu_us = time_us([partial(swiglu_fp8, x, None) for x in gate_up])
+            out.append(
+                {
+                    "rows": rows,
+                    "elements_per_warp": per_warp,
+                    "persistent": waves == 0,
+                    "pdl": pdl,
+                    "norm_us": norm_us,
+                    "norm_TBps": rows * 16384 * 7 / norm_us / 1e6,
+                    "swiglu_us": swiglu_us,
+                    "swiglu_TBps": rows * 14336 * 5 / swiglu_us / 1e6,
+                }
             )
-    fp8.ELEMENTS_PER_WARP = default
+            print(out[-1], flush=True)
+    fp8.ELEMENTS_PER_WARP, fp8.PERSISTENT_WAVES, fp8.USE_PDL = defaults
+    return out
 
 
 def gemm_operands(m: int, n: int, k: int):
@@ -138,36 +180,65 @@ def scaled_mm(a, a_scale, b, b_scale):
     )
 
 
-def tune_gemm() -> None:
-    """Try tile configs per (M bucket, N, K) and keep the fastest in kernels/fp8_gemm_configs.json."""
+def tune_space(bucket: int) -> list[tuple[int, int, int, int, bool]]:
+    """(block_n, block_k, num_stages, num_warps, swap_ab) tried per M bucket; split_k is swept on top."""
+    space = [(bn, bk, st, 4, True) for bn in (64, 128) for bk in (128, 256, 512) for st in (3, 4, 6)]
+    space += [(128, 256, 4, 8, True), (128, 512, 3, 8, True)]
+    space += [(32, 128, 4, 4, False), (32, 256, 4, 4, False), (64, 256, 4, 4, False)]
+    if bucket > 16:
+        space = [c for c in space if c[1] <= 256 and c[2] <= 4]
+    return space
+
+
+def tune_gemm() -> list[dict[str, object]]:
+    """Try tile configs per (M bucket, N, K) (with PDL, as served) and keep the fastest in
+    kernels/fp8_gemm_configs.json."""
     best: dict[str, gemm.GemmConfig] = dict(gemm.TUNED)
-    for (n, k), m in itertools.product(GEMM_NK, [16, 32, 64]):
-        a, a_scale, weights = gemm_operands(m, n, k)
-        results = []
-        for block_n, block_k, split, stages in itertools.product(
-            [32, 64, 128], [128, 256], [1, 2, 4, 8, 16], [4]
-        ):
-            if split * block_k > k or (m == 64 and block_k == 256 and block_n == 128):
-                continue
-            cfg = gemm.GemmConfig(block_n, block_k, split, num_warps=4, num_stages=stages)
-            try:
-                t = time_us([partial(gemm.skinny_fp8_gemm, a, a_scale, b, s, cfg) for b, s in weights])
-            except Exception as err:  # a config the compiler rejects (e.g. shared memory): skip it
-                print(f"skip {cfg}: {type(err).__name__}", flush=True)
-                continue
-            results.append((t, cfg))
-        t, cfg = min(results, key=lambda r: r[0])
-        best[gemm.config_key(m, n, k)] = cfg
-        print(f"tuned M<={m} N={n} K={k}: {cfg} {t:.1f} us ({n * k / t / 1e6:.2f} TB/s)", flush=True)
+    log = []
+    for m in [16, 32, 64]:
+        operands = {(n, k): gemm_operands(m, n, k) for n, k in GEMM_NK}
+        results: dict[tuple[int, int], list[tuple[float, gemm.GemmConfig]]] = {nk: [] for nk in GEMM_NK}
+        for bn, bk, stages, warps, swap in tune_space(m):
+            for (n, k), (a, a_scale, weights) in operands.items():
+                for split in [1, 2, 3, 4, 6, 8, 12, 16]:
+                    if (split - 1) * bk >= k or (split > 1 and k // split < bk):
+                        continue
+                    cfg = gemm.GemmConfig(bn, bk, split, num_warps=warps, num_stages=stages, swap_ab=swap)
+                    try:
+                        fns = [partial(gemm.skinny_fp8_gemm, a, a_scale, b, s, cfg) for b, s in weights]
+                        t = time_us(fns)
+                    except Exception as err:  # a config the compiler rejects (e.g. shared memory)
+                        print(f"skip {cfg}: {type(err).__name__}", flush=True)
+                        break
+                    results[(n, k)].append((t, cfg))
+        for (n, k), found in results.items():
+            found.sort(key=lambda r: r[0])
+            t, cfg = found[0]
+            best[gemm.config_key(m, n, k)] = cfg
+            for rank, (tt, cc) in enumerate(found[:5]):
+                log.append(
+                    {
+                        "M_bucket": m,
+                        "N": n,
+                        "K": k,
+                        "rank": rank,
+                        "us": tt,
+                        "TBps": n * k / tt / 1e6,
+                        "config": str(cc),
+                    }
+                )
+            print(f"tuned M<={m} N={n} K={k}: {cfg} {t:.2f} us ({n * k / t / 1e6:.2f} TB/s)", flush=True)
     gemm.save_tuned(best)
+    gemm.TUNED.clear()
     gemm.TUNED.update(best)
+    return log
 
 
 def bench_gemm() -> list[dict[str, object]]:
     rows_out = []
     for (n, k), m in itertools.product(GEMM_NK, GEMM_M):
         a, a_scale, weights = gemm_operands(m, n, k)
-        ours = time_us([partial(gemm.fp8_gemm, a, a_scale, b, s) for b, s in weights])
+        ours, plain = both_pdl([partial(gemm.fp8_gemm, a, a_scale, b, s) for b, s in weights])
         peer = time_us([partial(scaled_mm, a, a_scale, b, s) for b, s in weights])
         rows_out.append(
             {
@@ -175,8 +246,10 @@ def bench_gemm() -> list[dict[str, object]]:
                 "N": n,
                 "K": k,
                 "ours_us": ours,
+                "ours_no_pdl_us": plain,
                 "scaled_mm_us": peer,
                 "ours_TBps": n * k / ours / 1e6,
+                "ours_no_pdl_TBps": n * k / plain / 1e6,
                 "scaled_mm_TBps": n * k / peer / 1e6,
                 "speedup": peer / ours,
                 "config": str(gemm.config_for(m, n, k)),
@@ -191,31 +264,27 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tune", action="store_true", help="tune GEMM tiles first and save them")
-    parser.add_argument("--only", choices=["norm", "swiglu", "gemm"], help="run one table")
+    parser.add_argument("--only", choices=["norm", "swiglu", "gemm", "none"], help="run one table (or none)")
     parser.add_argument(
-        "--sweep-row-warps", action="store_true", help="time the row kernels at several warp counts"
+        "--sweep-rows", action="store_true", help="time the row kernels' launch variants (fp8_row_sweep)"
     )
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8.py needs a CUDA GPU")
+    note = (
+        "CUDA-graph replays, inputs and weights rotated beyond L2; ours_us with programmatic dependent "
+        "launch (kernels.fp8.USE_PDL, as served), ours_no_pdl_us launched plainly"
+    )
     if opts.tune:
-        tune_gemm()
-    if opts.sweep_row_warps:
-        sweep_row_warps()
-    if opts.only in (None, "norm"):
-        write_results(
-            "fp8_norm", bench_norm(), notes="CUDA-graph replays, inputs rotated beyond L2; dynamic scales"
-        )
-    if opts.only in (None, "swiglu"):
-        write_results(
-            "fp8_swiglu", bench_swiglu(), notes="CUDA-graph replays, inputs rotated beyond L2; dynamic scales"
-        )
+        write_results("fp8_gemm_tune", tune_gemm(), notes="best 5 tile configs per shape, M bucket; " + note)
     if opts.only in (None, "gemm"):
-        write_results(
-            "fp8_gemm",
-            bench_gemm(),
-            notes="CUDA-graph replays, weights rotated beyond L2; TB/s of weight reads",
-        )
+        write_results("fp8_gemm", bench_gemm(), notes=note + "; TB/s of weight reads")
+    if opts.sweep_rows:
+        write_results("fp8_row_sweep", sweep_rows(), notes=note + "; dynamic scales")
+    if opts.only in (None, "norm"):
+        write_results("fp8_norm", bench_norm(), notes=note + "; dynamic scales")
+    if opts.only in (None, "swiglu"):
+        write_results("fp8_swiglu", bench_swiglu(), notes=note + "; dynamic scales")
 
 
 if __name__ == "__main__":

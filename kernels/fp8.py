@@ -9,10 +9,12 @@ scale per output channel (row of the [N, K] weight) or one per tensor.
 from __future__ import annotations
 
 import os
+from functools import cache
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -21,6 +23,52 @@ FP8_MAX = 448.0
 # grid (round to nearest) so that its cast is exact. Compiled kernels cast natively.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MIN_SCALE = 1e-12
+
+# Programmatic dependent launch (PDL, Hopper and newer). Every FP8 kernel here is launched so that it
+# may start while the kernel before it in the stream is still running: it loads what no earlier kernel
+# writes (the norm weight, the first tiles of a GEMM weight) at once, then waits (`griddepcontrol.wait`:
+# the previous grid complete and its writes visible) before touching anything else, and lets the next
+# kernel launch right away. Inside a CUDA graph this hides most of the launch gap between dependent
+# kernels. Contract: a tensor read before the wait (weights) must not be written by the kernel that
+# immediately precedes the call. Set to False to launch plainly (bench_fp8 times both).
+USE_PDL = os.environ.get("WEFT_FP8_PDL", "1") != "0"
+
+
+@cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@cache
+def sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def pdl_for(device: torch.device) -> bool:
+    """Whether kernels on `device` launch with PDL (USE_PDL, compiled, compute capability >= 9.0)."""
+    if not USE_PDL or INTERPRETED or device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+def launch_options(device: torch.device) -> dict[str, object]:
+    """Extra launch keyword arguments: `launch_pdl` where PDL is on (the interpreter takes none)."""
+    return {"launch_pdl": True} if pdl_for(device) else {}
+
+
+def programs_cap(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (persistent grids); a small number elsewhere."""
+    if device.type != "cuda":
+        return 4
+    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """Wait for the previous kernel (its writes visible), then let the next one launch."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -53,18 +101,28 @@ def to_fp8(y, inv_scale, SNAP: tl.constexpr):
 
 
 @triton.jit
-def store_row(y, out_ptr, row, stride_o, cols, mask, scale_ptr, QUANT: tl.constexpr, SNAP: tl.constexpr):
-    """Write one fp32 row: as out_ptr's dtype (QUANT 0), or as e4m3 with the static scale at
-    scale_ptr (QUANT 1) or a per-row scale amax / 448 stored at scale_ptr[row] (QUANT 2)."""
+def static_inv_scale(scale_ptr, QUANT: tl.constexpr):
+    """1 / the static scale at scale_ptr (QUANT 1), loaded once at a kernel's start; else 1."""
+    if QUANT == 1:
+        return 1.0 / tl.load(scale_ptr)
+    else:
+        return 1.0
+
+
+@triton.jit
+def store_row(
+    y, out_ptr, row, stride_o, cols, mask, scale_ptr, inv_static, QUANT: tl.constexpr, SNAP: tl.constexpr
+):
+    """Write one fp32 row: as out_ptr's dtype (QUANT 0), or as e4m3 with the static scale
+    (QUANT 1, `inv_static` = 1 / scale) or a per-row scale amax / 448 stored at scale_ptr[row] (QUANT 2)."""
     out_ptrs = out_ptr + row * stride_o + cols
     if QUANT == 0:
         tl.store(out_ptrs, downcast(y, out_ptr.dtype.element_ty, SNAP), mask=mask)
+    elif QUANT == 1:
+        tl.store(out_ptrs, to_fp8(y, inv_static, SNAP), mask=mask)
     else:
-        if QUANT == 1:
-            scale = tl.load(scale_ptr)
-        else:
-            scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12 * 448.0) / 448.0
-            tl.store(scale_ptr + row, scale)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12 * 448.0) / 448.0
+        tl.store(scale_ptr + row, scale)
         tl.store(out_ptrs, to_fp8(y, 1.0 / scale, SNAP), mask=mask)
 
 
@@ -93,13 +151,22 @@ def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, tor
 
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, out_ptr, scale_ptr, K, stride_x, stride_o, BLOCK: tl.constexpr, SNAP: tl.constexpr
+    x_ptr,
+    out_ptr,
+    scale_ptr,
+    K,
+    stride_x,
+    stride_o,
+    BLOCK: tl.constexpr,
+    SNAP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    store_row(x, out_ptr, row, stride_o, cols, mask, scale_ptr, QUANT=2, SNAP=SNAP)
+    store_row(x, out_ptr, row, stride_o, cols, mask, scale_ptr, 1.0, QUANT=2, SNAP=SNAP)
 
 
 # Elements of a row each warp holds in the row kernels (sets num_warps; see bench_fp8 --sweep-row-warps).
@@ -116,6 +183,22 @@ def row_launch(n_cols: int) -> tuple[int, int]:
     return block, max(1, min(32, block // ELEMENTS_PER_WARP))
 
 
+# Many rows: one program per SM (PERSISTENT_PROGRAMS_PER_SM) loops over the rows and issues the loads
+# of its next row before it reduces and writes the current one, so HBM reads never pause for a
+# row's reduction or a program's launch. Taken when rows exceed PERSISTENT_WAVES programs per SM;
+# fewer rows get one program per row (the shortest latency at decode).
+PERSISTENT_WAVES = 2
+PERSISTENT_PROGRAMS_PER_SM = 1
+
+
+def row_grid(rows: int, device: torch.device) -> tuple[int, bool]:
+    """(programs, persistent) for a row kernel over `rows` rows."""
+    slots = programs_cap(device) * PERSISTENT_PROGRAMS_PER_SM
+    if rows > PERSISTENT_WAVES * slots:
+        return slots, True
+    return max(rows, 1), False
+
+
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (bf16/fp16/fp32) -> e4m3 [M, K] and fp32 per-row scales [M]."""
     if x.dim() != 2 or x.stride(-1) != 1:
@@ -126,6 +209,16 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     block, warps = row_launch(x.shape[1])
     _quantize_rows_kernel[(x.shape[0],)](
-        x, out, scale, x.shape[1], x.stride(0), out.stride(0), BLOCK=block, SNAP=INTERPRETED, num_warps=warps
+        x,
+        out,
+        scale,
+        x.shape[1],
+        x.stride(0),
+        out.stride(0),
+        BLOCK=block,
+        SNAP=INTERPRETED,
+        PDL=pdl_for(x.device),
+        num_warps=warps,
+        **launch_options(x.device),
     )
     return out, scale

@@ -5,12 +5,19 @@ tensor).
 At decode M is tiny, so the time is the time to read B (N * K bytes) once. The grid spreads B over
 many programs: columns in tiles of BLOCK_N, and K in `split_k` slices so that even a narrow N keeps
 every SM streaming. Each program accumulates [BLOCK_M, BLOCK_N] in fp32 on the tensor cores (M padded
-to BLOCK_M >= 16 by masking). With split_k > 1 each slice writes its fp32 partial and the last slice
-of a column tile to finish (an arrival counter per tile) sums the partials in a fixed order: one
+to BLOCK_M >= 16 by masking). With `swap_ab` the kernel computes out^T = B @ A^T instead, so that
+the weight tile (>= 64 rows) is the MMA's M side: on Hopper that is wgmma, which reads e4m3 straight
+from shared memory, where the unswapped [16, K] x [K, BLOCK_N] tile goes through mma.sync with both
+operands converted to fp16 in registers. With split_k > 1 each slice writes its fp32 partial and the
+last slice of a column tile to finish (an arrival counter per tile) sums the partials in a fixed order: one
 launch, a deterministic result, and no zero-fill of the output.
 
 Tile configs are tuned per (M bucket, N, K) on the GPU by `benchmarks/bench_fp8.py --tune` and kept in
-fp8_gemm_configs.json beside this file, so serving never autotunes; untuned shapes use a heuristic.
+fp8_gemm_configs.json beside this file, so serving never autotunes (triton.autotune would time configs
+inside the first call, i.e. inside a CUDA-graph warm-up, and its choice would differ run to run);
+untuned shapes use a heuristic. The weight's first K tile is loaded before the kernel waits on the
+previous one (programmatic dependent launch, kernels.fp8.USE_PDL), so weights must not be written by
+the kernel right before the call.
 Beyond M = 64 the work is no longer weight-bound and `torch._scaled_mm` takes over.
 """
 
@@ -24,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, INTERPRETED, downcast
+from kernels.fp8 import FP8, INTERPRETED, downcast, launch_options, pdl_for, pdl_wait
 
 MAX_M = 64
 CONFIG_FILE = Path(__file__).with_name("fp8_gemm_configs.json")
@@ -37,6 +44,7 @@ class GemmConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 4
+    swap_ab: bool = False  # weight tile as the MMA's M side (wgmma on Hopper); needs block_n >= 64
 
 
 def m_bucket(m: int) -> int:
@@ -45,13 +53,14 @@ def m_bucket(m: int) -> int:
 
 
 def heuristic_config(m: int, n: int, k: int, sm_count: int = 132) -> GemmConfig:
-    """Tiles of 64 columns x 256 of K; split K until there are about two programs per SM."""
+    """Swapped tiles of 64 weight rows x 256 of K (wgmma on Hopper); split K until there are about
+    two programs per SM."""
     block_n, block_k = 64, 256 if m_bucket(m) <= 32 else 128
     tiles = triton.cdiv(n, block_n)
     split = 1
     while tiles * split < 2 * sm_count and split * 2 * block_k <= k:
         split *= 2
-    return GemmConfig(block_n, block_k, split)
+    return GemmConfig(block_n, block_k, split, num_stages=3, swap_ab=True)
 
 
 def _load_tuned() -> dict[str, GemmConfig]:
@@ -96,7 +105,9 @@ def _skinny_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SWAP_AB: tl.constexpr,
     SNAP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -105,15 +116,30 @@ def _skinny_gemm_kernel(
     offs_k = pid_k * k_per_split + tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(0, tl.cdiv(k_per_split, BLOCK_K)):
-        in_k = offs_k[None, :] < K
-        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & in_k, other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_n[:, None] < N) & in_k, other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc)
+    # The weight is no earlier kernel's output: its first tile streams in before the wait on the
+    # previous kernel (PDL), overlapping that kernel's tail; the activations are read after it.
+    b = tl.load(b_ptrs, mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
+    pdl_wait(PDL)
+    a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+    if SWAP_AB:
+        # out^T = B @ A^T: the weight tile is the MMA's M side (>= 64 rows: Hopper's wgmma, which
+        # reads e4m3 straight from shared memory), the few tokens its N side.
+        acc_t = tl.dot(b, tl.trans(a), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32))
+    else:
+        acc = tl.dot(a, tl.trans(b), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+    for _ in range(1, tl.cdiv(k_per_split, BLOCK_K)):
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
         offs_k += BLOCK_K
+        in_k = offs_k[None, :] < K
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & in_k, other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_n[:, None] < N) & in_k, other=0.0)
+        if SWAP_AB:
+            acc_t = tl.dot(b, tl.trans(a), acc_t)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+    if SWAP_AB:
+        acc = tl.trans(acc_t)
     if A_PER_TOKEN:
         acc = acc * tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
     else:
@@ -205,9 +231,12 @@ def skinny_fp8_gemm(
         BLOCK_M=m_bucket(m),
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
+        SWAP_AB=cfg.swap_ab,
         SNAP=INTERPRETED,
+        PDL=pdl_for(a.device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        **launch_options(a.device),
     )
     return out
 

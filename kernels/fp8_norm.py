@@ -5,8 +5,11 @@
     out      =  e4m3(y / scale)   with a static scale, or a per-row scale = amax(|y|) / 448
                 or y itself in bf16 for the bf16 decode path
 
-One program holds a whole row in registers, so each element is read once and written once: 2 bytes
-of x, 2 of residual in, 2 of residual out and 1 (or 2) of output per element.
+A program holds a whole row in registers, so each element is read once and written once: 2 bytes
+of x, 2 of residual in, 2 of residual out and 1 (or 2) of output per element. The mean square and
+the row's amax come out of one reduction (amax |residual * weight| times rstd is amax |y|), so a
+dynamic scale costs no second pass over the row's warps. Few rows: one program per row. Many rows:
+one program per SM walks the rows and loads row i+1 while it finishes row i (kernels.fp8.row_grid).
 """
 
 from __future__ import annotations
@@ -15,9 +18,73 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, INTERPRETED, downcast, quantize_reference, row_launch, store_row
+from kernels.fp8 import (
+    FP8,
+    INTERPRETED,
+    downcast,
+    launch_options,
+    pdl_for,
+    pdl_wait,
+    quantize_reference,
+    row_grid,
+    row_launch,
+    static_inv_scale,
+    to_fp8,
+)
 
 QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC = 0, 1, 2
+
+
+@triton.jit
+def _sum_and_max(s1, m1, s2, m2):
+    return s1 + s2, tl.maximum(m1, m2)
+
+
+@triton.jit
+def _norm_row(
+    x,
+    r,
+    w,
+    row,
+    cols,
+    mask,
+    res_ptr,
+    out_ptr,
+    scale_ptr,
+    inv_static,
+    N,
+    eps,
+    stride_r,
+    stride_o,
+    HAS_RESIDUAL: tl.constexpr,
+    QUANT: tl.constexpr,
+    SNAP: tl.constexpr,
+):
+    """Finish one row from its loaded x and residual (`w` the fp32 weight)."""
+    row = tl.cast(row, tl.int64)
+    if HAS_RESIDUAL:
+        h = x.to(tl.float32) + r.to(tl.float32)
+        # Normalise the stored (rounded) residual, as the next layer will see it.
+        h = downcast(h, res_ptr.dtype.element_ty, SNAP)
+        tl.store(res_ptr + row * stride_r + cols, h, mask=mask)
+        h = h.to(tl.float32)
+    else:
+        h = x.to(tl.float32)
+    out_ptrs = out_ptr + row * stride_o + cols
+    if QUANT == 2:
+        hw = h * w
+        sum_sq, amax_hw = tl.reduce((h * h, tl.abs(hw)), 0, _sum_and_max)
+        rstd = tl.rsqrt(sum_sq / N + eps)
+        scale = tl.maximum(amax_hw * rstd, 1e-12 * 448.0) / 448.0
+        tl.store(scale_ptr + row, scale)
+        tl.store(out_ptrs, to_fp8(h * rstd * w, 1.0 / scale, SNAP), mask=mask)
+    else:
+        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+        y = h * rstd * w
+        if QUANT == 1:
+            tl.store(out_ptrs, to_fp8(y, inv_static, SNAP), mask=mask)
+        else:
+            tl.store(out_ptrs, downcast(y, out_ptr.dtype.element_ty, SNAP), mask=mask)
 
 
 @triton.jit
@@ -27,6 +94,7 @@ def _add_rmsnorm_kernel(
     w_ptr,
     out_ptr,
     scale_ptr,
+    n_rows,
     N,
     eps,
     stride_x,
@@ -35,24 +103,53 @@ def _add_rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     QUANT: tl.constexpr,
     BLOCK: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     SNAP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        res_ptrs = res_ptr + row * stride_r + cols
-        h = x.to(tl.float32) + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
-        # Normalise the stored (rounded) residual, as the next layer will see it.
-        h = downcast(h, res_ptr.dtype.element_ty, SNAP)
-        tl.store(res_ptrs, h, mask=mask)
-        h = h.to(tl.float32)
+    if PERSISTENT:
+        pdl_wait(PDL)
+        inv_static = static_inv_scale(scale_ptr, QUANT)
+        step = tl.num_programs(0)
+        x = tl.load(x_ptr + tl.cast(pid, tl.int64) * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + tl.cast(pid, tl.int64) * stride_r + cols, mask=mask, other=0.0)
+        else:
+            r = x
+        for row in range(pid, n_rows, step):
+            # Issue the next row's loads first: they stream from HBM while this row is finished.
+            nxt = tl.cast(row + step, tl.int64)
+            more = mask & (nxt < n_rows)
+            x_next = tl.load(x_ptr + nxt * stride_x + cols, mask=more, other=0.0)
+            if HAS_RESIDUAL:
+                r_next = tl.load(res_ptr + nxt * stride_r + cols, mask=more, other=0.0)
+            else:
+                r_next = x_next
+            # The weight is re-read per row (from L1/L2) rather than held in registers across rows.
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            _norm_row(
+                x, r, w, row, cols, mask, res_ptr, out_ptr, scale_ptr, inv_static, N, eps, stride_r, stride_o,
+                HAS_RESIDUAL, QUANT, SNAP,
+            )  # fmt: skip
+            x = x_next
+            r = r_next
     else:
-        h = x.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
-    y = h * rstd * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    store_row(y, out_ptr, row, stride_o, cols, mask, scale_ptr, QUANT, SNAP)
+        # The weight is no earlier kernel's output: load it before waiting on the previous kernel.
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        pdl_wait(PDL)
+        inv_static = static_inv_scale(scale_ptr, QUANT)
+        x = tl.load(x_ptr + tl.cast(pid, tl.int64) * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + tl.cast(pid, tl.int64) * stride_r + cols, mask=mask, other=0.0)
+        else:
+            r = x
+        _norm_row(
+            x, r, w, pid, cols, mask, res_ptr, out_ptr, scale_ptr, inv_static, N, eps, stride_r, stride_o,
+            HAS_RESIDUAL, QUANT, SNAP,
+        )  # fmt: skip
 
 
 def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
@@ -60,7 +157,7 @@ def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor)
         raise ValueError(f"x and residual must share a 16-bit float dtype, got {x.dtype}")
     if x.dim() != 2 or x.stride(-1) != 1:
         raise ValueError(f"x must be a row-contiguous [rows, hidden] tensor, got shape {tuple(x.shape)}")
-    if weight.shape != (x.shape[1],):
+    if weight.shape != (x.shape[1],) or weight.stride(0) != 1:
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {x.shape[1]}")
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
         raise ValueError(
@@ -69,13 +166,18 @@ def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor)
 
 
 def _launch(x, residual, weight, eps, out, scale, quant: int) -> None:
+    rows = x.shape[0]
+    if rows == 0:
+        return
     block, warps = row_launch(x.shape[1])
-    _add_rmsnorm_kernel[(x.shape[0],)](
+    programs, persistent = row_grid(rows, x.device)
+    _add_rmsnorm_kernel[(programs,)](
         x,
         residual if residual is not None else x,
         weight,
         out,
         scale,
+        rows,
         x.shape[1],
         eps,
         x.stride(0),
@@ -84,8 +186,11 @@ def _launch(x, residual, weight, eps, out, scale, quant: int) -> None:
         HAS_RESIDUAL=residual is not None,
         QUANT=quant,
         BLOCK=block,
+        PERSISTENT=persistent,
         SNAP=INTERPRETED,
+        PDL=pdl_for(x.device),
         num_warps=warps,
+        **launch_options(x.device),
     )
 
 
@@ -98,7 +203,9 @@ def add_rmsnorm_fp8(
     scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [M, N], fp32 scales) of RMSNorm(residual + x) * weight; `residual` is updated in place
-    (None: normalise x alone). `scale` given: static per-tensor; None: one scale per row, returned."""
+    (None: normalise x alone). `scale` given: static per-tensor; None: one scale per row, returned.
+
+    Scale convention (kernels.fp8): scale = amax / 448, q = e4m3(y / scale), y ~= q * scale."""
     _check(x, residual, weight)
     out = torch.empty(x.shape, dtype=FP8, device=x.device)
     if scale is None:

@@ -1,6 +1,9 @@
 """SwiGLU (+ FP8 quantize) in one pass over each row: [gate | up] -> silu(gate) * up -> e4m3 with a
 static scale or a per-row scale (amax / 448), or bf16. Reads 4 bytes and writes 1 (or 2) per output
-element; one program holds a whole row in registers."""
+element; a program holds a whole row in registers. Few rows: one program per row; many rows: one
+program per SM walks the rows, loading the next row while it finishes the current one.
+
+Scale convention (kernels.fp8): scale = amax / 448, q = e4m3(y / scale), y ~= q * scale."""
 
 from __future__ import annotations
 
@@ -8,9 +11,39 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, INTERPRETED, quantize_reference, row_launch, store_row
+from kernels.fp8 import (
+    FP8,
+    INTERPRETED,
+    launch_options,
+    pdl_for,
+    pdl_wait,
+    quantize_reference,
+    row_grid,
+    row_launch,
+    static_inv_scale,
+    store_row,
+)
 
 QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC = 0, 1, 2
+
+
+@triton.jit
+def _swiglu_row(
+    gate,
+    up,
+    row,
+    cols,
+    mask,
+    out_ptr,
+    scale_ptr,
+    inv_static,
+    stride_o,
+    QUANT: tl.constexpr,
+    SNAP: tl.constexpr,
+):
+    gate = gate.to(tl.float32)
+    y = gate * tl.sigmoid(gate) * up.to(tl.float32)
+    store_row(y, out_ptr, tl.cast(row, tl.int64), stride_o, cols, mask, scale_ptr, inv_static, QUANT, SNAP)
 
 
 @triton.jit
@@ -18,20 +51,37 @@ def _swiglu_kernel(
     x_ptr,
     out_ptr,
     scale_ptr,
+    n_rows,
     H,
     stride_x,
     stride_o,
     QUANT: tl.constexpr,
     BLOCK: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     SNAP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + H + cols, mask=mask, other=0.0).to(tl.float32)
-    y = gate * tl.sigmoid(gate) * up
-    store_row(y, out_ptr, row, stride_o, cols, mask, scale_ptr, QUANT, SNAP)
+    pdl_wait(PDL)
+    inv_static = static_inv_scale(scale_ptr, QUANT)
+    row_ptr = x_ptr + tl.cast(pid, tl.int64) * stride_x
+    gate = tl.load(row_ptr + cols, mask=mask, other=0.0)
+    up = tl.load(row_ptr + H + cols, mask=mask, other=0.0)
+    if PERSISTENT:
+        # One program per SM walks the rows, loading row i + step while it finishes row i.
+        step = tl.num_programs(0)
+        for row in range(pid, n_rows, step):
+            nxt = tl.cast(row + step, tl.int64)
+            more = mask & (nxt < n_rows)
+            gate_next = tl.load(x_ptr + nxt * stride_x + cols, mask=more, other=0.0)
+            up_next = tl.load(x_ptr + nxt * stride_x + H + cols, mask=more, other=0.0)
+            _swiglu_row(gate, up, row, cols, mask, out_ptr, scale_ptr, inv_static, stride_o, QUANT, SNAP)
+            gate = gate_next
+            up = up_next
+    else:
+        _swiglu_row(gate, up, pid, cols, mask, out_ptr, scale_ptr, inv_static, stride_o, QUANT, SNAP)
 
 
 def _launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, quant: int) -> None:
@@ -39,19 +89,26 @@ def _launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, quant: int)
         raise ValueError(f"swiglu takes bf16 or fp16 input, got {x.dtype}")
     if x.dim() != 2 or x.stride(-1) != 1 or x.shape[1] % 2:
         raise ValueError(f"x must be a row-contiguous [rows, 2 * hidden] tensor, got shape {tuple(x.shape)}")
-    hidden = x.shape[1] // 2
+    rows, hidden = x.shape[0], x.shape[1] // 2
+    if rows == 0:
+        return
     block, warps = row_launch(hidden)
-    _swiglu_kernel[(x.shape[0],)](
+    programs, persistent = row_grid(rows, x.device)
+    _swiglu_kernel[(programs,)](
         x,
         out,
         scale,
+        rows,
         hidden,
         x.stride(0),
         out.stride(0),
         QUANT=quant,
         BLOCK=block,
+        PERSISTENT=persistent,
         SNAP=INTERPRETED,
+        PDL=pdl_for(x.device),
         num_warps=warps,
+        **launch_options(x.device),
     )
 
 

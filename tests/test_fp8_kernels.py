@@ -92,11 +92,15 @@ GEMM_SHAPES = [(96, 256), (200, 320), (72, 1000)]
 
 @pytest.mark.parametrize("m", [1, 5, 16, 33, 64])
 @pytest.mark.parametrize(("n", "k"), GEMM_SHAPES)
-@pytest.mark.parametrize("split_k", [None, 3])
-def test_skinny_gemm(poisoned: None, m: int, n: int, k: int, split_k: int | None) -> None:
+@pytest.mark.parametrize("split_k", [None, 1, 3])
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_skinny_gemm(poisoned: None, m: int, n: int, k: int, split_k: int | None, swap_ab: bool) -> None:
+    if split_k is None and swap_ab:
+        pytest.skip("the tuned/heuristic config has one setting of swap_ab")
     a, a_scale = quantize_per_token(bf16(m, k))
     b, b_scale = quantize_weight_per_channel(bf16(n, k, scale=0.05))
-    config = GemmConfig(block_n=32, block_k=128, split_k=split_k) if split_k else None
+    block_n = 64 if swap_ab else 32
+    config = GemmConfig(block_n, 128, split_k, swap_ab=swap_ab) if split_k else None
     out = skinny_fp8_gemm(a, a_scale, b, b_scale, config)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     assert rel_err(out, fp8_gemm_reference(a, a_scale, b, b_scale)) < 1e-2
@@ -111,10 +115,11 @@ def test_gemm_per_tensor_scales_and_large_m_handover(poisoned: None) -> None:
     assert rel_err(fp8_gemm(a, a_scale, b, b_scale), ref) < 1e-2  # M > 64: the stock path
 
 
-def test_split_k_is_deterministic() -> None:
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_split_k_is_deterministic(swap_ab: bool) -> None:
     a, a_scale = quantize_per_token(bf16(4, 1024))
     b, b_scale = quantize_weight_per_channel(bf16(64, 1024))
-    config = GemmConfig(block_n=32, block_k=128, split_k=4)
+    config = GemmConfig(block_n=64 if swap_ab else 32, block_k=128, split_k=4, swap_ab=swap_ab)
     first = skinny_fp8_gemm(a, a_scale, b, b_scale, config)
     assert all(torch.equal(first, skinny_fp8_gemm(a, a_scale, b, b_scale, config)) for _ in range(3))
 
@@ -138,3 +143,70 @@ def test_bad_inputs_fail_clearly() -> None:
         add_rmsnorm_fp8(bf16(2, 64), None, bf16(32), 1e-5, None)
     with pytest.raises(ValueError, match="2 \\* hidden"):
         swiglu_fp8(bf16(2, 63), None)
+
+
+# Realistic decode shapes on the GPU: one program per row and persistent launches, with and without
+# programmatic dependent launch, called back to back inside a CUDA graph (as served).
+
+
+def _graph_calls(fn, calls: int = 3):
+    """Run `fn` `calls` times back to back in one CUDA graph; return the outputs of the last call."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [fn() for _ in range(calls)]
+    graph.replay()
+    torch.cuda.synchronize()
+    return outs[-1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("rows", [1, 64, 1000])
+def test_row_kernels_realistic(poisoned: None, monkeypatch: pytest.MonkeyPatch, pdl: bool, rows: int) -> None:
+    from kernels import fp8
+
+    monkeypatch.setattr(fp8, "USE_PDL", pdl)
+    hidden, inter = 16384 - 40, 14336 + 24  # ragged: not multiples of the block
+    x, weight = bf16(rows, hidden), bf16(hidden, scale=0.5) + 1
+    residual = bf16(rows, hidden, scale=3.0)
+    original = residual.clone()
+    q, scales = add_rmsnorm_fp8(x, residual, weight, 1e-5, None)
+    ref_q, ref_scales, new_residual = add_rmsnorm_fp8_reference(x, original, weight, 1e-5, None)
+    assert torch.equal(residual, new_residual)
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-4, atol=0)
+    assert rel_err(dequantize(q, scales), dequantize(ref_q, ref_scales)) < 2e-2
+    gate_up = bf16(rows, 2 * inter, scale=2.0)
+    q, scales = _graph_calls(lambda: swiglu_fp8(gate_up, None))
+    ref_q, ref_scales = swiglu_fp8_reference(gate_up, None)
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-4, atol=0)
+    assert rel_err(dequantize(q, scales), dequantize(ref_q, ref_scales)) < 2e-2
+    # Chained in a graph: each call's output feeds the next call's input (PDL must order them).
+    res = original.clone()
+    graph_out = _graph_calls(lambda: add_rmsnorm(x, res, weight, 1e-5), calls=3)
+    ref_res = original.clone()
+    for _ in range(3 + 1):  # the warm-up call ran once more
+        ref_out, ref_res = add_rmsnorm_reference(x, ref_res, weight, 1e-5)
+    assert torch.equal(res, ref_res)
+    assert rel_err(graph_out, ref_out) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("m", [1, 8, 16, 64, 100])
+@pytest.mark.parametrize(("n", "k"), [(2304, 16384), (6144, 4096), (4096, 14336), (1000, 3000)])
+def test_gemm_realistic(monkeypatch: pytest.MonkeyPatch, pdl: bool, m: int, n: int, k: int) -> None:
+    from kernels import fp8
+
+    monkeypatch.setattr(fp8, "USE_PDL", pdl)
+    a, a_scale = quantize_per_token(bf16(m, k))
+    b, b_scale = quantize_weight_per_channel(bf16(n, k, scale=0.02))
+    ref = fp8_gemm_reference(a, a_scale, b, b_scale)
+    assert rel_err(_graph_calls(lambda: fp8_gemm(a, a_scale, b, b_scale)), ref) < 1e-2
+    b_tensor_scale = b_scale.max().reshape(1)
+    ref = fp8_gemm_reference(a, a_scale, b, b_tensor_scale)
+    assert rel_err(fp8_gemm(a, a_scale, b, b_tensor_scale), ref) < 1e-2
