@@ -80,7 +80,7 @@ def norm_sets(rows: int, hidden: int) -> list[tuple[torch.Tensor, torch.Tensor, 
 
 
 def bench_norm(hidden: int = 16384) -> list[dict[str, object]]:
-    compiled = torch.compile(add_rmsnorm_fp8_reference, dynamic=False)
+    compiled = torch.compile(add_rmsnorm_fp8_reference)
     rows_out = []
     for rows in ROWS:
         nbytes = rows * hidden * 7 + rows * 4
@@ -94,7 +94,7 @@ def bench_norm(hidden: int = 16384) -> list[dict[str, object]]:
 
 
 def bench_swiglu(hidden: int = 14336) -> list[dict[str, object]]:
-    compiled = torch.compile(swiglu_fp8_reference, dynamic=False)
+    compiled = torch.compile(swiglu_fp8_reference)
     rows_out = []
     for rows in ROWS:
         nbytes = rows * hidden * 5 + rows * 4
