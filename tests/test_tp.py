@@ -374,7 +374,7 @@ def test_triton_path_names_missing_ops(monkeypatch) -> None:
 
 def test_torchrun_tp_train_resume_at_other_tp_then_serve(tmp_path: Path) -> None:
     """Training at tp=2, stopped and resumed at tp=4, logs the losses of a tp=1 run; the checkpoint
-    decodes the same tokens at tp=2 as at tp=1."""
+    and its Hugging Face export decode the same tokens at tp=2 as at tp=1."""
     import json
 
     from tests.test_train_serve import TINY, run_script
@@ -388,7 +388,7 @@ def test_torchrun_tp_train_resume_at_other_tp_then_serve(tmp_path: Path) -> None
     done = run_script("train.py", *common, f"hydra.run.dir={tmp_path / 'tp1'}")
     assert done.returncode == 0, done.stderr[-3000:]
     mixed = tmp_path / "mixed"
-    for tp, extra in ((2, ["training.stop_at=3"]), (4, [])):
+    for tp, extra in ((2, ["training.stop_at=3"]), (4, ["checkpoint.export_hf=true"])):
         done = run_script(
             "train.py", *common, f"parallel.tp={tp}", *extra, f"hydra.run.dir={mixed}", torchrun=tp
         )
@@ -396,17 +396,23 @@ def test_torchrun_tp_train_resume_at_other_tp_then_serve(tmp_path: Path) -> None
     assert f"tp={tp}" in done.stdout and "resuming from" in done.stdout
     assert losses(mixed) == pytest.approx(losses(tmp_path / "tp1"), abs=2e-5)
 
-    generate = ["mode=generate", f"checkpoint={mixed}", "prompt=def", "max_new_tokens=24", "dtype=float32"]
-    outs = [
-        run_script("serve.py", *generate, "device=cpu", f"hydra.run.dir={tmp_path / 's1'}"),
-        run_script(
+    # The weft checkpoint and the Hugging Face export (gathered from the tp=4 run) at tp=1 and tp=2.
+    for source in (mixed, mixed / "hf"):
+        generate = [
+            "mode=generate",
+            f"checkpoint={source}",
+            "prompt=def",
+            "max_new_tokens=24",
+            "dtype=float32",
+        ]
+        single = run_script("serve.py", *generate, "device=cpu", f"hydra.run.dir={tmp_path / 's1'}")
+        tp2 = run_script(
             "serve.py",
             *generate,
             "device=cpu",
             "parallel.tp=2",
             f"hydra.run.dir={tmp_path / 's2'}",
             torchrun=2,
-        ),
-    ]
-    assert all(out.returncode == 0 for out in outs), [out.stderr[-2000:] for out in outs]
-    assert outs[0].stdout == outs[1].stdout and outs[0].stdout.startswith("def")
+        )
+        assert single.returncode == 0 and tp2.returncode == 0, (single.stderr[-2000:], tp2.stderr[-2000:])
+        assert single.stdout == tp2.stdout and single.stdout.startswith("def"), source
