@@ -243,19 +243,26 @@ def _load_at_tp4(rank: int, world: int, port: int, out: str, expected: torch.Ten
         from safetensors.torch import load_file
 
         args = small_args()
-        model = full_model(args, seed=9)  # different weights: the load must replace all of them
-        parallelize_llama(model, build_mesh(ParallelDims(dp=1, cp=1, tp=4), "cpu"))
-        load_full_model_state(model, load_file(str(Path(out) / "model.safetensors")))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        load_full_optimizer_state(model, opt, torch.load(Path(out) / "optim.pt"))
-        model._test_opt = opt
-        tokens = torch.load(Path(out) / "tokens.pt")
-        _train_step(model, tokens, torch.roll(tokens, -1, 1))  # a second step: moments must be right
-        with torch.no_grad():
-            logits = model(tokens)
-        gathered = [torch.empty_like(logits) for _ in range(4)]
-        dist.all_gather(gathered, logits.contiguous(), group=model.parallel.tp_group)
-        torch.testing.assert_close(torch.cat(gathered, -1), expected, **TOL)
+        # tp=4, and FSDP2 x TP (dp=2, tp=2; both dp ranks on the same batch, so the same update).
+        for dims in (ParallelDims(dp=1, cp=1, tp=4), ParallelDims(dp=2, cp=1, tp=2)):
+            model = full_model(args, seed=9)  # different weights: the load must replace all of them
+            parallelize_llama(model, build_mesh(dims, "cpu"))
+            load_full_model_state(model, load_file(str(Path(out) / "model.safetensors")))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            load_full_optimizer_state(model, opt, torch.load(Path(out) / "optim.pt"))
+            model._test_opt = opt
+            tokens = torch.load(Path(out) / "tokens.pt")
+            _train_step(model, tokens, torch.roll(tokens, -1, 1))  # a second step: moments must be right
+            with torch.no_grad():
+                logits = model(tokens)
+            gathered = [torch.empty_like(logits) for _ in range(dims.tp)]
+            dist.all_gather(gathered, logits.contiguous(), group=model.parallel.tp_group)
+            torch.testing.assert_close(torch.cat(gathered, -1), expected, **TOL)
+            # Saving again from this layout gives back the full tensors of the plain model's shapes.
+            state = full_model_state(model)
+            assert {k: tuple(v.shape) for k, v in state.items()} == {
+                k: tuple(v.shape) for k, v in full_model(args).state_dict().items()
+            }
     except Exception:
         errors.put(f"rank {rank}: {traceback.format_exc()}")
         raise
@@ -263,7 +270,7 @@ def _load_at_tp4(rank: int, world: int, port: int, out: str, expected: torch.Ten
         dist.destroy_process_group()
 
 
-def test_checkpoint_saved_at_tp2_loads_at_tp1_and_tp4(tmp_path: Path) -> None:
+def test_checkpoint_saved_at_tp2_loads_at_tp1_tp4_and_fsdp_tp2(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     spawn(_save_at_tp2, 2, str(tmp_path))
