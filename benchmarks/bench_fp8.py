@@ -129,31 +129,25 @@ def row(
 
 
 def sweep_rows() -> list[dict[str, object]]:
-    """Norm and SwiGLU at 1, 256, 1024 and 2048 rows: one program per row vs persistent, elements
-    per warp, PDL on and off (kernels.fp8 knobs)."""
-    defaults = (fp8.ELEMENTS_PER_WARP, fp8.PERSISTENT_WAVES, fp8.USE_PDL)
+    """Norm and SwiGLU, one program per row, at 1, 256 and 1024 rows for several elements per warp
+    (kernels.fp8 knobs), with PDL."""
+    defaults = (fp8.ELEMENTS_PER_WARP, fp8.NORM_ELEMENTS_PER_WARP, fp8.PERSISTENT_WAVES)
     out = []
-    cases = {}
-    for rows in [1, 256, 1024, 2048]:
+    fp8.PERSISTENT_WAVES = 10**9
+    for rows in [1, 256, 1024]:
         sets = norm_sets(rows, 16384)
         gate_up = [
             torch.randn(rows, 2 * 14336, device="cuda", dtype=torch.bfloat16)
             for _ in range(copies_for(rows * 14336 * 5))
         ]
-        cases[rows] = (sets, gate_up)
-    for per_warp, waves, pdl in itertools.product([512, 1024], [0, 10**9], [True, False]):
-        fp8.ELEMENTS_PER_WARP, fp8.PERSISTENT_WAVES, fp8.USE_PDL = per_warp, waves, pdl
-        for rows, (sets, gate_up) in cases.items():
-            if waves == 0 and rows == 1:
-                continue
+        for per_warp in [512, 1024, 2048]:
+            fp8.ELEMENTS_PER_WARP = fp8.NORM_ELEMENTS_PER_WARP = per_warp
             norm_us = time_us([partial(add_rmsnorm_fp8, x, r, w, 1e-5, None) for x, r, w in sets])
             swiglu_us = time_us([partial(swiglu_fp8, x, None) for x in gate_up])
             out.append(
                 {
                     "rows": rows,
                     "elements_per_warp": per_warp,
-                    "persistent": waves == 0,
-                    "pdl": pdl,
                     "norm_us": norm_us,
                     "norm_TBps": rows * 16384 * 7 / norm_us / 1e6,
                     "swiglu_us": swiglu_us,
@@ -161,7 +155,7 @@ def sweep_rows() -> list[dict[str, object]]:
                 }
             )
             print(out[-1], flush=True)
-    fp8.ELEMENTS_PER_WARP, fp8.PERSISTENT_WAVES, fp8.USE_PDL = defaults
+    fp8.ELEMENTS_PER_WARP, fp8.NORM_ELEMENTS_PER_WARP, fp8.PERSISTENT_WAVES = defaults
     return out
 
 
@@ -181,13 +175,18 @@ def scaled_mm(a, a_scale, b, b_scale):
 
 
 def tune_space(bucket: int) -> list[tuple[int, int, int, int, bool]]:
-    """(block_n, block_k, num_stages, num_warps, swap_ab) tried per M bucket; split_k is swept on top."""
-    space = [(bn, bk, st, 4, True) for bn in (64, 128) for bk in (128, 256, 512) for st in (3, 4, 6)]
-    space += [(128, 256, 4, 8, True), (128, 512, 3, 8, True)]
-    space += [(32, 128, 4, 4, False), (32, 256, 4, 4, False), (64, 256, 4, 4, False)]
-    if bucket > 16:
-        space = [c for c in space if c[1] <= 256 and c[2] <= 4]
-    return space
+    """(block_n, block_k, num_stages, num_warps, swap_ab) tried per M bucket; split_k is swept on top.
+    Swapped 64-row weight tiles won every shape on H200 (wgmma reads e4m3 from shared memory)."""
+    if bucket <= 16:
+        space = [(64, 128, st, 4, True) for st in (3, 4, 6, 8)]
+        space += [(64, 256, st, 4, True) for st in (3, 4, 6)]
+        space += [(64, 512, 3, 4, True), (128, 128, 4, 4, True), (128, 256, 3, 4, True)]
+        return [*space, (32, 256, 4, 4, False)]
+    space = [(bn, bk, st, 4, True) for bn in (64, 128) for bk in (128, 256) for st in (3, 4)]
+    return [*space, (64, 256, 4, 4, False)]
+
+
+SPLITS = [1, 2, 3, 4, 5, 6, 8, 11, 12, 16]
 
 
 def tune_gemm() -> list[dict[str, object]]:
@@ -200,7 +199,7 @@ def tune_gemm() -> list[dict[str, object]]:
         results: dict[tuple[int, int], list[tuple[float, gemm.GemmConfig]]] = {nk: [] for nk in GEMM_NK}
         for bn, bk, stages, warps, swap in tune_space(m):
             for (n, k), (a, a_scale, weights) in operands.items():
-                for split in [1, 2, 3, 4, 6, 8, 12, 16]:
+                for split in SPLITS:
                     if (split - 1) * bk >= k or (split > 1 and k // split < bk):
                         continue
                     cfg = gemm.GemmConfig(bn, bk, split, num_warps=warps, num_stages=stages, swap_ab=swap)

@@ -169,18 +169,22 @@ def _quantize_rows_kernel(
     store_row(x, out_ptr, row, stride_o, cols, mask, scale_ptr, 1.0, QUANT=2, SNAP=SNAP)
 
 
-# Elements of a row each warp holds in the row kernels (sets num_warps; see bench_fp8 --sweep-row-warps).
+# Elements of a row each warp holds in the row kernels (sets num_warps; bench_fp8 --sweep-rows). The
+# norm's one-program-per-row launch does better with 1024 (16 warps: 3.05 vs 3.30 us at 1 row of
+# 16384 on H200, 10.8 vs 11.2 us at 256 rows); its persistent launch and SwiGLU with 512.
 ELEMENTS_PER_WARP = 512
+NORM_ELEMENTS_PER_WARP = 1024
 
 
-def row_launch(n_cols: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) for kernels that keep one whole row in registers, up to 32 warps."""
+def row_launch(n_cols: int, per_warp: int | None = None) -> tuple[int, int]:
+    """(BLOCK, num_warps) for kernels that keep one whole row in registers, up to 32 warps, with
+    `per_warp` (default ELEMENTS_PER_WARP) elements of the row per warp."""
     block = triton.next_power_of_2(n_cols)
     if block > 65536:
         raise ValueError(
             f"rows of {n_cols} elements exceed the 65536 these FP8 row kernels hold in registers"
         )
-    return block, max(1, min(32, block // ELEMENTS_PER_WARP))
+    return block, max(1, min(32, block // (per_warp or ELEMENTS_PER_WARP)))
 
 
 # Many rows: one program per SM (PERSISTENT_PROGRAMS_PER_SM) loops over the rows and issues the loads

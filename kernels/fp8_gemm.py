@@ -244,12 +244,25 @@ def skinny_fp8_gemm(
 @torch.library.custom_op("weft::fp8_gemm", mutates_args=())
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
     """bf16 [M, N] = dequant(A [M, K]) @ dequant(B [N, K])^T: weft's kernel up to M = 64, then
-    `torch._scaled_mm` (row-wise scales) on GPU."""
+    `torch._scaled_mm` (row-wise scales) on GPU where K and N are multiples of 16 (else our kernel on
+    64-row slices). A: e4m3 activations with per-token [M] or per-tensor [1] fp32 scales; B: the
+    e4m3 weight [N, K] with per-channel [N] or per-tensor [1] scales (quantize_weight_per_channel)."""
     _check(a, a_scale, b, b_scale)
     if a.shape[0] <= MAX_M:
         return skinny_fp8_gemm(a, a_scale, b, b_scale)
     if a.device.type != "cuda":
         return fp8_gemm_reference(a, a_scale, b, b_scale)
+    if a.shape[1] % 16 or b.shape[0] % 16:
+        # torch._scaled_mm needs K and N in multiples of 16: run our kernel on 64-row slices.
+        per_token = a_scale.numel() > 1
+        return torch.cat(
+            [
+                skinny_fp8_gemm(
+                    a[i : i + MAX_M], a_scale[i : i + MAX_M] if per_token else a_scale, b, b_scale
+                )
+                for i in range(0, a.shape[0], MAX_M)
+            ]
+        )
     scale_a = a_scale.float().reshape(-1, 1).expand(a.shape[0], 1).contiguous()
     scale_b = b_scale.float().reshape(1, -1).expand(1, b.shape[0]).contiguous()
     return torch._scaled_mm(a, b.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import fp8
 from kernels.fp8 import (
     FP8,
     INTERPRETED,
@@ -169,8 +170,8 @@ def _launch(x, residual, weight, eps, out, scale, quant: int) -> None:
     rows = x.shape[0]
     if rows == 0:
         return
-    block, warps = row_launch(x.shape[1])
     programs, persistent = row_grid(rows, x.device)
+    block, warps = row_launch(x.shape[1], None if persistent else fp8.NORM_ELEMENTS_PER_WARP)
     _add_rmsnorm_kernel[(programs,)](
         x,
         residual if residual is not None else x,
