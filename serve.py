@@ -161,9 +161,6 @@ def run(cfg: ServeConfig, run_dir: Path) -> None:
         )
     if dims.tp > 1 and cfg.model.fp8:
         raise ValueError("model.fp8=true does not yet run with parallel.tp > 1: set parallel.tp=1")
-    if dims.tp > 1 and cfg.compile:
-        # The TP layers call collectives from autograd functions; a full-graph compile of them is untested.
-        raise ValueError("compile=true does not yet run with parallel.tp > 1: set compile=false")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
     dtype = DTYPES[cfg.dtype]

@@ -78,8 +78,11 @@ class Comm:
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
+        self.group_name: str = group.group_name
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        # The registered ops below find this group's comm path by the group's name.
+        _BY_GROUP[self.group_name] = self
 
     def available(self, op: str) -> str | None:
         """None when `op` runs on this path, else a reason."""
@@ -127,6 +130,38 @@ class TorchComm(Comm):
     name = "torch"
 
 
+# group name -> the Comm built last for that group (what the registered ops dispatch to).
+_BY_GROUP: dict[str, Comm] = {}
+
+
+@torch.library.custom_op("weft::tp_all_reduce", mutates_args=())
+def tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Registered form of `Comm.all_reduce` (sum over the group, new tensor) on the group's comm path:
+    opaque to torch.compile (full graphs of the decode step) and capturable in CUDA graphs when the
+    path is."""
+    comm = _BY_GROUP[group_name]
+    return comm.all_reduce(x) if comm.world > 1 else x.clone()
+
+
+@tp_all_reduce.register_fake
+def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("weft::tp_all_gather", mutates_args=())
+def tp_all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """Registered form of `Comm.all_gather` (ranks' chunks concatenated along `dim`)."""
+    comm = _BY_GROUP[group_name]
+    return comm.all_gather(x, dim) if comm.world > 1 else x.clone()
+
+
+@tp_all_gather.register_fake
+def _(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] *= _BY_GROUP[group_name].world
+    return x.new_empty(shape)
+
+
 def _check_cuda_peers(group: dist.ProcessGroup, path: str) -> None:
     """Symmetric memory needs every rank of the group on one node, each on its own GPU, with peer
     access between them; raise a one-line error otherwise."""
@@ -167,7 +202,6 @@ class SymmMemComm(Comm):
         import torch.distributed._symmetric_memory as symm_mem
 
         self._symm_mem = symm_mem
-        self.group_name = group.group_name
         if hasattr(symm_mem, "is_symm_mem_enabled_for_group") and not symm_mem.is_symm_mem_enabled_for_group(
             self.group_name
         ):

@@ -121,9 +121,7 @@ class MatmulReduceScatter(torch.autograd.Function):
         return grad_x, grad_w, None, None
 
 
-class AllReduceForward(torch.autograd.Function):
-    """Sum over the group forward, identity backward (row-parallel output without SP)."""
-
+class _AllReduceForward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, comm: Comm) -> torch.Tensor:
         return comm.all_reduce(x)
@@ -131,6 +129,14 @@ class AllReduceForward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
+
+
+def all_reduce_forward(x: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """Sum over the group forward, identity backward (row-parallel output without SP). Without
+    autograd (decode) it is the registered op, so a compiled decode step keeps one graph."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _AllReduceForward.apply(x, comm)
+    return torch.ops.weft.tp_all_reduce(x, comm.group_name)
 
 
 class AllReduceBackward(torch.autograd.Function):
@@ -210,7 +216,7 @@ class RowParallelLinear(nn.Module):
         x, weight = _autocast(x, self.weight)
         if self.ctx.sequence_parallel:
             return MatmulReduceScatter.apply(x, weight, self.ctx.comm, SEQ_DIM)
-        return AllReduceForward.apply(F.linear(x, weight), self.ctx.comm)
+        return all_reduce_forward(F.linear(x, weight), self.ctx.comm)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -230,7 +236,7 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.ctx.sequence_parallel:
             return ReduceScatter.apply(out, self.ctx.comm, SEQ_DIM)
-        return AllReduceForward.apply(out, self.ctx.comm)
+        return all_reduce_forward(out, self.ctx.comm)
 
 
 class VocabParallelOutput(nn.Module):
@@ -248,7 +254,10 @@ class VocabParallelOutput(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = column_parallel(x, [self.weight], self.ctx)[0]
         if self.gather_output:
-            logits = AllGather.apply(logits, self.ctx.comm, -1)
+            if torch.is_grad_enabled() and logits.requires_grad:
+                logits = AllGather.apply(logits, self.ctx.comm, -1)
+            else:  # decode: the registered op (one graph under torch.compile)
+                logits = torch.ops.weft.tp_all_gather(logits, logits.dim() - 1, self.ctx.comm.group_name)
         return logits
 
 

@@ -148,6 +148,10 @@ def _check_generation(rank: int, world: int) -> None:
     expected = generate(reference, prompt, 12, cuda_graph=False)
     got = generate(model, prompt, 12, cuda_graph=False)
     assert torch.equal(got, expected), (got, expected)
+    # The decode step compiled as one graph: the collectives are registered ops (weft::tp_all_reduce,
+    # weft::tp_all_gather).
+    got = generate(model, prompt, 12, cuda_graph=False, compile=True)
+    assert torch.equal(got, expected), (got, expected)
 
 
 def _run_cases(rank: int, world: int, port: int, cases: list[Case], generation: bool, errors) -> None:
@@ -362,7 +366,7 @@ def test_triton_path_names_missing_ops(monkeypatch) -> None:
     monkeypatch.setattr(kernels.custom_all_reduce, "get_custom_all_reduce", lambda group: None)
 
     class Group:
-        pass
+        group_name = "fake"
 
     monkeypatch.setattr(comm_module.dist, "get_world_size", lambda group: 2)
     monkeypatch.setattr(comm_module.dist, "get_rank", lambda group: 0)

@@ -1,7 +1,8 @@
 """Tensor + sequence parallel on 4 GPUs (NCCL + symmetric memory): for comm = torch and symm_mem, logits,
 loss and every gradient of the TP + SP model (bf16 autocast) match the single-GPU model at bf16
 tolerance; FSDP2 x TP (dp=2, tp=2) trains; TP decode (fp32, CUDA graphs) gives the tp=1 tokens on every
-comm path with an all-reduce; the triton path names the ops it lacks.
+comm path with an all-reduce (eager, CUDA graph, compiled + graph); the triton path names the ops it
+lacks.
 
     pytest -q tests/test_tp_gpu.py          # on a host with 4 GPUs
 """
@@ -80,9 +81,9 @@ def _decode(comm: str, device: torch.device) -> None:
     torch.manual_seed(2)
     prompt = torch.randint(0, args.vocab_size, (2, 5), device=device)
     expected = generate(reference, prompt, 16, cuda_graph=False)
-    for graph in (False, True):
-        got = generate(model, prompt, 16, cuda_graph=graph)
-        assert torch.equal(got, expected), (comm, graph, got, expected)
+    for graph, compile in ((False, False), (True, False), (True, True)):
+        got = generate(model, prompt, 16, cuda_graph=graph, compile=compile)
+        assert torch.equal(got, expected), (comm, graph, compile, got, expected)
 
 
 def _fsdp_tp_trains(device: torch.device) -> None:
