@@ -146,16 +146,19 @@ def apply_tensor_parallel(
     return ctx, shard_dims
 
 
-def apply_context_parallel(model: Llama, mesh: DeviceMesh) -> None:
+def apply_context_parallel(model: Llama, mesh: DeviceMesh, comm_path: str) -> None:
     """Ulysses attention over the cp group. Each cp rank is given the tokens of its sequence chunk
     (chunks in cp-rank order); a forward pre-hook supplies their positions for the rotary table."""
     from parallel.ulysses import ulysses_attention
 
     group = mesh["cp"].get_group()
     cp_rank = mesh["cp"].get_local_rank()
+    comm = make_comm(comm_path, group, require=["all_to_all"])
     for block in model.layers:
         base = block.attention.attention_fn
-        block.attention.attention_fn = ulysses_attention(base if base is not None else sdpa_attention, group)
+        block.attention.attention_fn = ulysses_attention(
+            base if base is not None else sdpa_attention, group, comm
+        )
 
     def positions(module: nn.Module, args: tuple, kwargs: dict):
         tokens = args[0] if args else kwargs["tokens"]
@@ -194,7 +197,7 @@ def parallelize_llama(model: Llama, mesh: DeviceMesh, cfg: ParallelizeConfig | N
     elif cfg.comm != "torch":
         make_comm(cfg.comm, mesh["tp"].get_group())  # device checks even when tp = 1
     if cp > 1:
-        apply_context_parallel(model, mesh)
+        apply_context_parallel(model, mesh, cfg.comm)
 
     if cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
