@@ -1,6 +1,9 @@
 """Tensor-parallel layers with sequence parallelism, on the comm dispatch (parallel/comm.py).
 
-Layout. Activations are [B, S, D]; the sequence dimension is 1 (SEQ_DIM). With sequence parallelism
+Layout. Activations are [B, S, D], the model's own layout; the sequence dimension is 1 (SEQ_DIM), so
+for B > 1 a gathered or scattered chunk is strided (the torch path permutes around its collective, the
+fused symm_mem ops copy once into their preferred order; at B = 1, the long-sequence case, neither
+does). With sequence parallelism
 (training) the residual stream between blocks is sharded on the sequence: each tp rank holds
 [B, S/tp, D] and the norms run on that shard. A column-parallel group (QKV, W1|W3, the output
 projection) all-gathers the shard and multiplies by its slice of the output features; a row-parallel
