@@ -3,13 +3,12 @@
 Layout. Activations are [B, S, D], the model's own layout; the sequence dimension is 1 (SEQ_DIM), so
 for B > 1 a gathered or scattered chunk is strided (the torch path permutes around its collective, the
 fused symm_mem ops copy once into their preferred order; at B = 1, the long-sequence case, neither
-does). With sequence parallelism
-(training) the residual stream between blocks is sharded on the sequence: each tp rank holds
-[B, S/tp, D] and the norms run on that shard. A column-parallel group (QKV, W1|W3, the output
-projection) all-gathers the shard and multiplies by its slice of the output features; a row-parallel
-linear (Wo, W2) multiplies its slice of the input features and reduce-scatters the partial sums back
-onto the sequence shards. Without sequence parallelism (decode) activations are replicated, column
-layers need no communication and row layers all-reduce.
+does). With sequence parallelism (training) the residual stream between blocks is sharded on the
+sequence: each tp rank holds [B, S/tp, D] and the norms run on that shard. A column-parallel group
+(QKV, W1|W3, the output projection) all-gathers the shard and multiplies by its slice of the output
+features; a row-parallel linear (Wo, W2) multiplies its slice of the input features and
+reduce-scatters the partial sums back onto the sequence shards. Without sequence parallelism (decode)
+activations are replicated, column layers need no communication and row layers all-reduce.
 
 Autograd mirrors each op:
   AG-matmul  forward  y_i = AG(x) @ W_i^T
