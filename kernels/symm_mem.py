@@ -337,10 +337,31 @@ def wait_peers(
         )
         missing = tl.max(tl.where(late != 0, ranks, -1), axis=0)
         if missing >= 0:
-            tl.store(status_ptr + 1, op)
-            tl.store(status_ptr + 2, bar)
-            tl.store(status_ptr + 3, missing)
-            tl.atomic_xchg(status_ptr, 1)
+            record_timeout(status_ptr, op, bar, missing)
+    tl.debug_barrier()
+
+
+@triton.jit
+def record_timeout(status_ptr, op, where, missing):
+    """Write (1, op, where, missing rank) into the status word (`check_status` turns it into an error)."""
+    tl.store(status_ptr + 1, op)
+    tl.store(status_ptr + 2, where)
+    tl.store(status_ptr + 3, missing)
+    tl.atomic_xchg(status_ptr, 1)
+
+
+@triton.jit
+def wait_flag(flag_ptr, value, status_ptr, op, where, src, timeout_ns):
+    """Wait (acquire, system scope, bounded) until the int32 at `flag_ptr` reached `value` (signed
+    difference >= 0); on timeout record (1, op, where, src) in the status word, `src` being the rank
+    whose data the flag announces. Returns without waiting once the status word is set, so a lost peer
+    costs one timeout. Ends with a CTA barrier: every thread may then read what the flag guards."""
+    failed = tl.load(status_ptr, volatile=True)
+    if failed == 0:
+        one = tl.zeros([1], tl.int32)  # inline asm wants blocks, not scalars
+        late = _spin_until(flag_ptr + one, one + value, one.to(tl.int64) + timeout_ns)
+        if tl.max(late, axis=0) != 0:
+            record_timeout(status_ptr, op, where, src)
     tl.debug_barrier()
 
 
