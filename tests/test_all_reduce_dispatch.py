@@ -1,13 +1,8 @@
 """CPU tests of the all-reduce dispatch: algorithm choice, launch configs, the one-node check, the
 status message, the registered op's fake, and the NCCL/gloo fallback of CustomAllReduce."""
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from kernels import symm_mem
 from kernels.custom_all_reduce import (
@@ -27,6 +22,7 @@ from kernels.symm_mem import (
     describe_status,
     size_class,
 )
+from tests.multiprocess import run_ranks
 
 KiB, MiB = 1 << 10, 1 << 20
 BF16 = torch.bfloat16
@@ -132,27 +128,16 @@ def test_registered_op_has_a_fake() -> None:
     assert y.shape == x.shape and y.dtype == x.dtype
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def fallback_on_rank(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        car = CustomAllReduce()  # no CUDA: no symmetric buffer, everything goes through the stock path
-        x = torch.arange(24, dtype=torch.float32) * (rank + 1)
-        assert car.algorithm(x) == "nccl"
-        y = car(x)
-        torch.testing.assert_close(y, torch.arange(24, dtype=torch.float32) * sum(range(1, world + 1)))
-        z = torch.ops.weft.symm_all_reduce(x, car.group_name)
-        torch.testing.assert_close(z, y)
-        assert torch.equal(x, torch.arange(24, dtype=torch.float32) * (rank + 1)), "input untouched"
-    finally:
-        dist.destroy_process_group()
+def fallback_on_rank(rank: int, world: int) -> None:
+    car = CustomAllReduce()  # no CUDA: no symmetric buffer, everything goes through the stock path
+    x = torch.arange(24, dtype=torch.float32) * (rank + 1)
+    assert car.algorithm(x) == "nccl"
+    y = car(x)
+    torch.testing.assert_close(y, torch.arange(24, dtype=torch.float32) * sum(range(1, world + 1)))
+    z = torch.ops.weft.symm_all_reduce(x, car.group_name)
+    torch.testing.assert_close(z, y)
+    assert torch.equal(x, torch.arange(24, dtype=torch.float32) * (rank + 1)), "input untouched"
 
 
 def test_custom_all_reduce_falls_back_on_cpu() -> None:
-    mp.spawn(fallback_on_rank, args=(2, free_port()), nprocs=2, join=True)
+    run_ranks(fallback_on_rank, 2)

@@ -8,16 +8,13 @@
 * a rank that never enters: the others raise SymmMemTimeout naming it, instead of hanging.
 """
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from kernels.custom_all_reduce import CustomAllReduce
 from kernels.symm_mem import SymmMemTimeout
+from tests.multiprocess import run_ranks
 
 TOL = {  # (rtol, atol) against NCCL, which rounds to the dtype after every partial sum
     torch.bfloat16: (1.6e-2, 3e-2),
@@ -26,12 +23,6 @@ TOL = {  # (rtol, atol) against NCCL, which rounds to the dtype after every part
 }
 EPS = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-23}
 SIZES = [8, 8 * 3, 8 * 257, 8 * 1000 + 8 * 5, 65536, 131072 + 8 * 11, 512 * 1024]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def exact_sum(x: torch.Tensor) -> torch.Tensor:
@@ -168,17 +159,11 @@ def timeout(rank: int, world: int) -> None:
     dist.barrier()
 
 
-def run_on_rank(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-    try:
-        car = CustomAllReduce(max_size=4 << 20)
-        correctness(car, rank)
-        graphs(car, rank)
-        timeout(rank, world)
-    finally:
-        dist.destroy_process_group()
+def run_on_rank(rank: int, world: int) -> None:
+    car = CustomAllReduce(max_size=4 << 20)
+    correctness(car, rank)
+    graphs(car, rank)
+    timeout(rank, world)
 
 
 @pytest.mark.parametrize(
@@ -186,4 +171,4 @@ def run_on_rank(rank: int, world: int, port: int) -> None:
     [pytest.param(2, marks=pytest.mark.multigpu(n=2)), pytest.param(4, marks=pytest.mark.multigpu(n=4))],
 )
 def test_symm_all_reduce(world: int) -> None:
-    mp.spawn(run_on_rank, args=(world, free_port()), nprocs=world, join=True)
+    run_ranks(run_on_rank, world, backend="nccl")

@@ -6,16 +6,12 @@ checkpoint saved at tp=2 loading at tp=1 and tp=4."""
 from __future__ import annotations
 
 import copy
-import os
-import socket
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from model.args import ModelArgs
@@ -39,6 +35,7 @@ from parallel.mesh import (
     validate_model,
 )
 from parallel.parallelize import ParallelizeConfig, clip_grad_norm_, parallelize_llama
+from tests.multiprocess import run_ranks
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -63,12 +60,6 @@ def full_model(args: ModelArgs, seed: int = 0) -> Llama:
     model = Llama(args)
     model.init_weights()
     return model
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -154,34 +145,11 @@ def _check_generation(rank: int, world: int) -> None:
     assert torch.equal(got, expected), (got, expected)
 
 
-def _run_cases(rank: int, world: int, port: int, cases: list[Case], generation: bool, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        for case in cases:
-            _check_training(case, rank, world)
-        if generation:
-            _check_generation(rank, world)
-    except Exception:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(fn, world: int, *args) -> None:
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(
-            fn, args=(world, free_port(), *args, errors), nprocs=world, join=True, start_method="spawn"
-        )
-    except Exception:
-        messages = []
-        while not errors.empty():
-            messages.append(errors.get())
-        raise AssertionError("\n".join(messages) or "a rank failed") from None
+def _run_cases(rank: int, world: int, cases: list[Case], generation: bool) -> None:
+    for case in cases:
+        _check_training(case, rank, world)
+    if generation:
+        _check_generation(rank, world)
 
 
 WORLD2 = [
@@ -198,7 +166,7 @@ WORLD4 = [
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_tp_matches_single_process(world: int) -> None:
-    spawn(_run_cases, world, WORLD2 if world == 2 else WORLD4, world == 2)
+    run_ranks(_run_cases, world, WORLD2 if world == 2 else WORLD4, world == 2)
 
 
 # -- checkpoints: saved at tp=2, loaded at tp=1 and tp=4 --------------------------------------------
@@ -212,72 +180,54 @@ def _train_step(model, tokens, targets) -> None:
     opt.zero_grad()
 
 
-def _save_at_tp2(rank: int, world: int, port: int, out: str, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        from safetensors.torch import save_file
+def _save_at_tp2(rank: int, world: int, out: str) -> None:
+    from safetensors.torch import save_file
 
-        args = small_args()
-        model = full_model(args)
-        parallelize_llama(model, build_mesh(ParallelDims(dp=1, cp=1, tp=2), "cpu"))
-        model._test_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        torch.manual_seed(5)
-        tokens = torch.randint(0, args.vocab_size, (2, 8))
-        _train_step(model, tokens, torch.roll(tokens, -1, 1))
+    args = small_args()
+    model = full_model(args)
+    parallelize_llama(model, build_mesh(ParallelDims(dp=1, cp=1, tp=2), "cpu"))
+    model._test_opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(5)
+    tokens = torch.randint(0, args.vocab_size, (2, 8))
+    _train_step(model, tokens, torch.roll(tokens, -1, 1))
+    state = full_model_state(model)
+    optim = full_optimizer_state(model, model._test_opt)
+    if rank == 0:
+        save_file(state, str(Path(out) / "model.safetensors"))
+        torch.save(optim, Path(out) / "optim.pt")
+        torch.save(tokens, Path(out) / "tokens.pt")
+
+
+def _load_at_tp4(rank: int, world: int, out: str, expected: torch.Tensor) -> None:
+    from safetensors.torch import load_file
+
+    args = small_args()
+    # tp=4, and FSDP2 x TP (dp=2, tp=2; both dp ranks on the same batch, so the same update).
+    for dims in (ParallelDims(dp=1, cp=1, tp=4), ParallelDims(dp=2, cp=1, tp=2)):
+        model = full_model(args, seed=9)  # different weights: the load must replace all of them
+        parallelize_llama(model, build_mesh(dims, "cpu"))
+        load_full_model_state(model, load_file(str(Path(out) / "model.safetensors")))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        load_full_optimizer_state(model, opt, torch.load(Path(out) / "optim.pt"))
+        model._test_opt = opt
+        tokens = torch.load(Path(out) / "tokens.pt")
+        _train_step(model, tokens, torch.roll(tokens, -1, 1))  # a second step: moments must be right
+        with torch.no_grad():
+            logits = model(tokens)
+        gathered = [torch.empty_like(logits) for _ in range(dims.tp)]
+        dist.all_gather(gathered, logits.contiguous(), group=model.parallel.tp_group)
+        torch.testing.assert_close(torch.cat(gathered, -1), expected, **TOL)
+        # Saving again from this layout gives back the full tensors of the plain model's shapes.
         state = full_model_state(model)
-        optim = full_optimizer_state(model, model._test_opt)
-        if rank == 0:
-            save_file(state, str(Path(out) / "model.safetensors"))
-            torch.save(optim, Path(out) / "optim.pt")
-            torch.save(tokens, Path(out) / "tokens.pt")
-    except Exception:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def _load_at_tp4(rank: int, world: int, port: int, out: str, expected: torch.Tensor, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        from safetensors.torch import load_file
-
-        args = small_args()
-        # tp=4, and FSDP2 x TP (dp=2, tp=2; both dp ranks on the same batch, so the same update).
-        for dims in (ParallelDims(dp=1, cp=1, tp=4), ParallelDims(dp=2, cp=1, tp=2)):
-            model = full_model(args, seed=9)  # different weights: the load must replace all of them
-            parallelize_llama(model, build_mesh(dims, "cpu"))
-            load_full_model_state(model, load_file(str(Path(out) / "model.safetensors")))
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            load_full_optimizer_state(model, opt, torch.load(Path(out) / "optim.pt"))
-            model._test_opt = opt
-            tokens = torch.load(Path(out) / "tokens.pt")
-            _train_step(model, tokens, torch.roll(tokens, -1, 1))  # a second step: moments must be right
-            with torch.no_grad():
-                logits = model(tokens)
-            gathered = [torch.empty_like(logits) for _ in range(dims.tp)]
-            dist.all_gather(gathered, logits.contiguous(), group=model.parallel.tp_group)
-            torch.testing.assert_close(torch.cat(gathered, -1), expected, **TOL)
-            # Saving again from this layout gives back the full tensors of the plain model's shapes.
-            state = full_model_state(model)
-            assert {k: tuple(v.shape) for k, v in state.items()} == {
-                k: tuple(v.shape) for k, v in full_model(args).state_dict().items()
-            }
-    except Exception:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
+        assert {k: tuple(v.shape) for k, v in state.items()} == {
+            k: tuple(v.shape) for k, v in full_model(args).state_dict().items()
+        }
 
 
 def test_checkpoint_saved_at_tp2_loads_at_tp1_tp4_and_fsdp_tp2(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    spawn(_save_at_tp2, 2, str(tmp_path))
+    run_ranks(_save_at_tp2, 2, str(tmp_path))
     args = small_args()
     # tp=1: the plain model loads the gathered checkpoint directly and continues training.
     model = full_model(args, seed=9)
@@ -291,7 +241,7 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1_tp4_and_fsdp_tp2(tmp_path: Path) -
     with torch.no_grad():
         expected = model(tokens)
     # The same continuation at tp=4 gives the same logits.
-    spawn(_load_at_tp4, 4, str(tmp_path), expected)
+    run_ranks(_load_at_tp4, 4, str(tmp_path), expected)
 
 
 # -- bad input: one-line errors before any work --------------------------------------------------------
@@ -338,26 +288,18 @@ def test_bad_layouts_fail_with_one_line_errors() -> None:
         validate_comm_ops(ParallelDims(1, 2, 1, comm="triton"), training=True)
 
 
-def _comm_errors(rank: int, world: int, port: int, errors) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        for path in ("symm_mem", "triton"):
-            try:
-                make_comm(path, dist.group.WORLD)
-            except CommUnavailable as err:
-                assert "needs CUDA GPUs" in str(err) and "\n" not in str(err), str(err)
-            else:
-                raise AssertionError(f"{path} built on CPU")
-    except Exception:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
+def _comm_errors(rank: int, world: int) -> None:
+    for path in ("symm_mem", "triton"):
+        try:
+            make_comm(path, dist.group.WORLD)
+        except CommUnavailable as err:
+            assert "needs CUDA GPUs" in str(err) and "\n" not in str(err), str(err)
+        else:
+            raise AssertionError(f"{path} built on CPU")
 
 
 def test_gpu_comm_paths_refuse_cpu() -> None:
-    spawn(_comm_errors, 2)
+    run_ranks(_comm_errors, 2)
 
 
 def test_triton_path_names_missing_ops(monkeypatch) -> None:

@@ -10,12 +10,9 @@ lacks.
 from __future__ import annotations
 
 import copy
-import os
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from model.generate import generate
@@ -24,7 +21,8 @@ from parallel.comm import CommUnavailable, all_gather
 from parallel.loss import cross_entropy
 from parallel.mesh import ParallelDims, build_mesh
 from parallel.parallelize import ParallelizeConfig, clip_grad_norm_, parallelize_llama
-from tests.test_tp import free_port, full_model, small_args
+from tests.multiprocess import run_ranks
+from tests.test_tp import full_model, small_args
 
 WORLD = 4
 
@@ -32,14 +30,6 @@ WORLD = 4
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     return ((a - b).norm() / b.norm().clamp(min=1e-12)).item()
-
-
-def _init(rank: int, world: int, port: int) -> torch.device:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
-    torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank)
-    dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world, device_id=device)
-    return device
 
 
 def _parity(comm: str, device: torch.device) -> None:
@@ -107,41 +97,23 @@ def _fsdp_tp_trains(device: torch.device) -> None:
     assert losses[-1] < 0.5 * losses[0], losses
 
 
-def _worker(rank: int, world: int, port: int, errors) -> None:
-    device = _init(rank, world, port)
+def _worker(rank: int, world: int) -> None:
+    device = torch.device("cuda", rank)
+    for comm in ("torch", "symm_mem"):
+        _parity(comm, device)
+    for comm in ("torch", "symm_mem", "triton"):
+        _decode(comm, device)
+    _fsdp_tp_trains(device)
+    # Training on the triton path needs AG-matmul / matmul-RS kernels that do not exist yet.
+    mesh = build_mesh(ParallelDims(dp=1, cp=1, tp=WORLD, comm="triton"), "cuda")
     try:
-        for comm in ("torch", "symm_mem"):
-            _parity(comm, device)
-        for comm in ("torch", "symm_mem", "triton"):
-            _decode(comm, device)
-        _fsdp_tp_trains(device)
-        # Training on the triton path needs AG-matmul / matmul-RS kernels that do not exist yet.
-        mesh = build_mesh(ParallelDims(dp=1, cp=1, tp=WORLD, comm="triton"), "cuda")
-        try:
-            parallelize_llama(full_model(small_args()).to(device), mesh, ParallelizeConfig(comm="triton"))
-        except CommUnavailable as err:
-            assert "all_gather_matmul" in str(err), str(err)
-        else:
-            raise AssertionError("the triton path trained without an all_gather_matmul kernel")
-    except Exception:
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
+        parallelize_llama(full_model(small_args()).to(device), mesh, ParallelizeConfig(comm="triton"))
+    except CommUnavailable as err:
+        assert "all_gather_matmul" in str(err), str(err)
+    else:
+        raise AssertionError("the triton path trained without an all_gather_matmul kernel")
 
 
 @pytest.mark.multigpu(n=WORLD)
 def test_tp_on_four_gpus() -> None:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    try:
-        mp.start_processes(
-            _worker, args=(WORLD, free_port(), errors), nprocs=WORLD, join=True, start_method="spawn"
-        )
-    except Exception:
-        messages = []
-        while not errors.empty():
-            messages.append(errors.get())
-        raise AssertionError("\n".join(messages) or "a rank failed") from None
+    run_ranks(_worker, WORLD, backend="nccl")

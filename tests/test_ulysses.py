@@ -1,58 +1,43 @@
 """Ulysses attention on gloo at world sizes 2 and 4: outputs and input gradients equal single-process
 attention within 1e-5 (fp32), with and without grouped-query attention."""
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from model.llama import sdpa_attention
 from parallel.ulysses import check_ulysses_heads, ulysses_attention
+from tests.multiprocess import run_ranks
 
 # (query heads, key/value heads): equal heads, GQA with kv heads split, GQA with kv heads replicated.
 HEAD_CASES = [(8, 8), (8, 4), (8, 2), (4, 1)]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def compare_on_rank(rank: int, world: int) -> None:
+    for n_heads, n_kv_heads in HEAD_CASES:
+        if n_heads % world or (n_kv_heads % world and world % n_kv_heads):
+            continue
+        torch.manual_seed(n_heads * 10 + n_kv_heads)  # the same full tensors on every rank
+        bsz, seq, dim = 2, 8 * world, 16
+        q = torch.randn(bsz, n_heads, seq, dim).requires_grad_()
+        k = torch.randn(bsz, n_kv_heads, seq, dim).requires_grad_()
+        v = torch.randn(bsz, n_kv_heads, seq, dim).requires_grad_()
+        grad_out = torch.randn(bsz, n_heads, seq, dim)
+        expected = sdpa_attention(q, k, v, None)
+        expected.backward(grad_out)
 
-
-def compare_on_rank(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    torch.set_num_threads(1)
-    try:
-        for n_heads, n_kv_heads in HEAD_CASES:
-            if n_heads % world or (n_kv_heads % world and world % n_kv_heads):
-                continue
-            torch.manual_seed(n_heads * 10 + n_kv_heads)  # the same full tensors on every rank
-            bsz, seq, dim = 2, 8 * world, 16
-            q = torch.randn(bsz, n_heads, seq, dim).requires_grad_()
-            k = torch.randn(bsz, n_kv_heads, seq, dim).requires_grad_()
-            v = torch.randn(bsz, n_kv_heads, seq, dim).requires_grad_()
-            grad_out = torch.randn(bsz, n_heads, seq, dim)
-            expected = sdpa_attention(q, k, v, None)
-            expected.backward(grad_out)
-
-            chunk = slice(rank * seq // world, (rank + 1) * seq // world)
-            local = [t.detach()[:, :, chunk].clone().requires_grad_() for t in (q, k, v)]
-            out = ulysses_attention(sdpa_attention, dist.group.WORLD)(*local, None)
-            out.backward(grad_out[:, :, chunk])
-            torch.testing.assert_close(out, expected[:, :, chunk], rtol=1e-5, atol=1e-5)
-            for mine, full in zip(local, (q, k, v), strict=True):
-                torch.testing.assert_close(mine.grad, full.grad[:, :, chunk], rtol=1e-5, atol=1e-5)
-    finally:
-        dist.destroy_process_group()
+        chunk = slice(rank * seq // world, (rank + 1) * seq // world)
+        local = [t.detach()[:, :, chunk].clone().requires_grad_() for t in (q, k, v)]
+        out = ulysses_attention(sdpa_attention, dist.group.WORLD)(*local, None)
+        out.backward(grad_out[:, :, chunk])
+        torch.testing.assert_close(out, expected[:, :, chunk], rtol=1e-5, atol=1e-5)
+        for mine, full in zip(local, (q, k, v), strict=True):
+            torch.testing.assert_close(mine.grad, full.grad[:, :, chunk], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ulysses_matches_single_process(world: int) -> None:
-    mp.spawn(compare_on_rank, args=(world, free_port()), nprocs=world, join=True)
+    run_ranks(compare_on_rank, world)
 
 
 def test_heads_that_cannot_spread_fail_clearly() -> None:
