@@ -40,15 +40,17 @@ DEFAULT_MAX_SIZE = 32 << 20
 KiB, MiB = 1 << 10, 1 << 20
 
 # Largest message (bytes) that goes one-shot; two-shot above. Keyed by world size, then dtype.
-# World 2, measured (`torchrun --nproc_per_node=2 benchmarks/bench_all_reduce.py --sweep` on 2x H200,
+# World 2 (`torchrun --nproc_per_node=2 -m benchmarks.bench_all_reduce --sweep` on 2x H200,
 # benchmarks/results/all_reduce_sweep-2xh200.md): one-shot was faster than two-shot at every size from
-# 4 KiB to 32 MiB (two GPUs: both move the same bytes, two-shot pays a second barrier). Worlds 4 and 8
-# are NOT measured yet (no 4- or 8-GPU machine was lent): one-shot reads (W - 1) x size per rank,
-# two-shot moves 2 (W - 1) / W x size, so the crossover is placed where one-shot reads about as many
-# remote bytes as at world 2's 1 MiB point (~10 us): replace with a sweep on 4 and 8 GPUs.
+# 4 KiB to 32 MiB (two GPUs: both move the same bytes, two-shot pays a second barrier).
+# World 4 (`torchrun --nproc_per_node=4 -m benchmarks.bench_all_reduce` on 4x H200,
+# benchmarks/results/all_reduce-4xh200.md): one-shot faster up to 512 KiB (12.1 vs 13.1 us), two-shot
+# from 1 MiB (15.4 vs 18.1 us). World 8 is NOT measured (no 8-GPU machine was lent): one-shot reads
+# (W - 1) x size per rank, two-shot 2 (W - 1) / W x size, so the crossover is placed at a quarter of
+# world 4's: replace with a sweep on 8 GPUs.
 ONE_SHOT_MAX_BYTES: dict[int, dict[torch.dtype, int]] = {
     2: {torch.bfloat16: 1 << 40, torch.float16: 1 << 40, torch.float32: 1 << 40},
-    4: {torch.bfloat16: 256 * KiB, torch.float16: 256 * KiB, torch.float32: 256 * KiB},
+    4: {torch.bfloat16: 512 * KiB, torch.float16: 512 * KiB, torch.float32: 512 * KiB},
     8: {torch.bfloat16: 128 * KiB, torch.float16: 128 * KiB, torch.float32: 128 * KiB},
 }
 
