@@ -224,7 +224,9 @@ class SymmMemComm(Comm):
         return a, list(outs)
 
     def matmul_reduce_scatter(self, a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
-        return torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", dim % a.dim(), self.group_name)
+        out = torch.ops.symm_mem.fused_matmul_reduce_scatter(a, b, "sum", dim % a.dim(), self.group_name)
+        # Some torch versions hand back the fp32 accumulation; every path returns the inputs' dtype.
+        return out.to(a.dtype)
 
     def _buffer(self, x: torch.Tensor) -> torch.Tensor:
         key = (x.numel(), x.dtype)

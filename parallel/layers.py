@@ -88,7 +88,7 @@ class AllGatherMatmul(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):
         saved, *weights = ctx.saved_tensors
         comm, dim = ctx.comm, ctx.dim
-        grads = [g.contiguous() for g in grads]
+        grads = [g.to(w.dtype).contiguous() for g, w in zip(grads, weights, strict=True)]
         grad_cat = grads[0] if len(grads) == 1 else torch.cat(grads, dim=-1)
         grad_x = None
         if ctx.needs_input_grad[0]:
@@ -118,7 +118,8 @@ class MatmulReduceScatter(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors
         # Input gradient: the mirror AG-matmul, whose gathered gradient also feeds the weight gradient.
-        grad_full, (grad_x,) = ctx.comm.all_gather_matmul(grad.contiguous(), [weight], ctx.dim)
+        grad = grad.to(weight.dtype).contiguous()  # the fused kernels need one dtype for both operands
+        grad_full, (grad_x,) = ctx.comm.all_gather_matmul(grad, [weight], ctx.dim)
         grad_w = _flat(grad_full).t() @ _flat(x) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None
 
