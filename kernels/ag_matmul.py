@@ -1,0 +1,567 @@
+"""All-gather + matmul (async tensor parallelism) over symmetric memory, and the reference.
+
+    a, [a @ b0, a @ b1, ...] = all_gather_matmul(a_shard, [b0, b1, ...], dim, group)
+
+`a` is every rank's `a_shard` concatenated along `dim` in rank order (the backward needs it). The
+gather hides behind the matmul: copy engines pull the peers' shards while a persistent Triton GEMM
+(tensor descriptors, i.e. TMA on Hopper) works through the row tiles whose rows have already arrived.
+
+Data layout
+-----------
+A shard of shape [d0, ..., d_dim, ..., K] is seen as [P, R, K] with P = d0 * ... * d_{dim-1} pieces of
+R = d_dim * ... * d_{last-1} rows. The gathered `a` (and every output) is then [P, W, R, K]: piece p of
+rank r lives at index p * W + r of a [P * W, R, K] view. The GEMM addresses A and the outputs through
+3-D descriptors of that view, so every row is read and written at its final position; dim=0 and 2-D
+inputs are the case P = 1, the model's [B, S/W, D] with dim=1 is P = B. A row tile never crosses a
+piece (R need not be a multiple of the tile: the descriptors clip).
+
+One call (host choreography, all on the caller's stream S plus one high-priority side stream C)
+----------------------------------------------------------------------------------------------
+    S: a_shard -> this rank's symmetric buffer            C: own rows of `a` <- a_shard (copy engine)
+    S: entry barrier (peers' shards are in place)          C: flag(own split q) = 1 after each split
+    S: GEMM over all tiles, own rows first                 C: (after the barrier) for r = rank+1, ...:
+       each tile waits on the flag of its rows' split            a[rows of r, split q] <- peer r's buffer
+                                                                  flag(r, q) = 1
+    S: wait for C; exit barrier (no peer still reads this rank's buffer when the next call overwrites it)
+
+Flags are a fresh zeroed uint32 tensor per call, written by `cuStreamWriteValue32` (eager; it fences
+before the write) or `cuMemsetD32Async` (under CUDA-graph capture, where the former cannot be
+captured), both executed by the stream's memory engine, not by SMs: the side stream runs no kernel, so
+a GEMM that owns every SM cannot starve the copies it waits for. The two barriers are the epoch
+barriers of kernels/symm_mem.py (bounded, device-side state), so eager calls and graph replays mix.
+
+Tile schedule (the order the persistent programs walk, program i taking tiles i, i + G, ...): ranks in
+arrival order (own rank first, then rank+1, ...); inside a rank its row tiles are cut into `splits`
+balanced runs, each run's tiles x every weight's column tiles, ordered by a group-M swizzle inside the
+run (GROUP_M row tiles share their B tiles in L2); the column tiles of weight 0 come first, then
+weight 1, ... so the A tiles of a row block are reused from L2 across weights.
+
+Waits: before the first K-step of a tile the program waits (acquire, system scope, bounded) on its
+split's flag; on timeout it records (op, flag index, rank that owns the rows) in the buffer's status
+word, and `check(group)` (or `check_status`) raises SymmMemTimeout naming the missing rank. In the
+status word the "barrier" of a flag wait is 2 + its flag index (r * splits + q); 0 is the barriers'.
+
+What runs where (decided here, and what comm.py's triton path gets):
+* the kernel: bf16 a_shard and weights on CUDA, world size 2, 4 or 8, gather dim not the last, K and
+  every N a multiple of 8 (TMA needs 16-byte row strides), all weights in one layout: `[K, N]`
+  contiguous or `weight.t()` views of `[N, K]` contiguous weights (no weight is copied);
+* the reference (NCCL all-gather + torch.matmul) for everything else that is well formed (another
+  dtype, world size, a gather on the last dim, misaligned K or N), `fallback_reason` says why;
+* an error for what no path can do: CPU tensors on the triton path, mismatched shapes or dtypes.
+The first call for a shard size allocates the symmetric buffer (collective): call `prepare` (or one
+eager call) before capturing a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from kernels.symm_mem import (
+    DEFAULT_TIMEOUT_S,
+    SymmBuffer,
+    advance_epoch,
+    barrier,
+    check_status,
+    get_symm_buffer,
+    load_epoch,
+    op_id,
+    size_class,
+    wait_flag,
+)
+
+SUPPORTED_WORLD_SIZES = (2, 4, 8)
+MAX_WEIGHTS = 4  # weights per GEMM launch; more weights take further launches over the same `a`
+TMA_ALIGN = 8  # bf16 elements per 16 bytes: K and N must be multiples (TMA row strides)
+BUFFER_TAG = "ag_matmul"
+OP = op_id("all_gather_matmul")
+FLAG_WHERE_BASE = tl.constexpr(2)  # status "barrier" field of a flag wait: FLAG_WHERE_BASE + flag index
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int
+    num_warps: int
+    num_stages: int
+    splits: int  # flag runs per rank's rows (copy-engine chunks)
+
+
+# (largest total N over the weights, config), first match. 128x256x64 / 8 warps / 3 stages is the
+# wgmma-friendly Hopper tile (208 KiB of shared memory with the epilogue tile); narrow outputs get
+# 128x128 tiles so enough tiles exist to fill the SMs. Refine from `bench_ag_matmul.py --sweep`.
+CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
+    (4096, GemmConfig(128, 128, 64, 8, 8, 4, 4)),
+    (1 << 62, GemmConfig(128, 256, 64, 8, 8, 3, 4)),
+)
+
+
+def pick_config(n_total: int) -> GemmConfig:
+    """The table's config for weights whose column counts sum to `n_total`."""
+    return next(cfg for max_n, cfg in CONFIGS if n_total <= max_n)
+
+
+# ------------------------------------------------------------------------------------ layout math
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherLayout:
+    """A shard seen as [pieces, rows, k]; the gathered tensor as [pieces * world, rows, k]."""
+
+    pieces: int
+    rows: int
+    k: int
+    world: int
+
+    def gathered_shape(self, shard_shape: Sequence[int], dim: int) -> list[int]:
+        shape = list(shard_shape)
+        shape[dim] *= self.world
+        return shape
+
+
+def gather_layout(shard_shape: Sequence[int], dim: int, world: int) -> GatherLayout:
+    """[P, R, K] of a shard gathered along `dim` (not the last dim)."""
+    nd = len(shard_shape)
+    if nd < 2:
+        raise ValueError(f"a_shard must have at least 2 dims (rows, K), got shape {tuple(shard_shape)}")
+    if not -nd <= dim < nd - 1 and dim != -1 % nd:
+        raise ValueError(f"dim {dim} is out of range for a {nd}-d a_shard")
+    dim %= nd
+    if dim == nd - 1:
+        raise ValueError("gathering along the last (K) dim is not a row gather")
+    return GatherLayout(
+        pieces=math.prod(shard_shape[:dim]),
+        rows=math.prod(shard_shape[dim:-1]),
+        k=shard_shape[-1],
+        world=world,
+    )
+
+
+def split_starts(tiles_per_rank: int, splits: int) -> list[int]:
+    """First row tile (in a rank's tile order) of each split, plus the end: balanced runs."""
+    return [q * tiles_per_rank // splits for q in range(splits + 1)]
+
+
+def copy_plan(layout: GatherLayout, block_m: int, splits: int) -> list[list[tuple[int, int, int]]]:
+    """For each split q of a rank's rows: (piece, first row, end row) ranges that its copies move.
+    A rank's row tiles are numbered piece-major (piece b holds tiles b * T .. b * T + T - 1, T =
+    ceil(rows / block_m)), the numbering the kernel's `_tile_coords` uses."""
+    per_piece = triton.cdiv(layout.rows, block_m)
+    starts = split_starts(layout.pieces * per_piece, splits)
+    plan = []
+    for q in range(splits):
+        ranges = []
+        for b in range(layout.pieces):
+            lo = max(starts[q], b * per_piece) - b * per_piece
+            hi = min(starts[q + 1], (b + 1) * per_piece) - b * per_piece
+            if lo < hi:
+                ranges.append((b, lo * block_m, min(hi * block_m, layout.rows)))
+        plan.append(ranges)
+    return plan
+
+
+# ------------------------------------------------------------------------------------ the kernels
+
+
+@triton.jit
+def _tile_coords(
+    tile, tiles_per_rank, tiles_per_piece, nt0, nt1, nt2, nt3,
+    RANK: tl.constexpr, WORLD: tl.constexpr, NUM_W: tl.constexpr, SPLITS: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """tile -> (source rank, split, piece index in the gathered view, row tile in the piece, weight,
+    column tile of that weight). See the module docstring for the order."""
+    nt = nt0 + nt1 + nt2 + nt3
+    per_rank = tiles_per_rank * nt
+    step = tile // per_rank
+    rem = tile - step * per_rank
+    src = (RANK + step) % WORLD
+    q = rem * 0
+    for qq in tl.static_range(1, SPLITS):
+        q += (rem >= (qq * tiles_per_rank // SPLITS) * nt).to(q.dtype)
+    m_first = q * tiles_per_rank // SPLITS
+    m_count = (q + 1) * tiles_per_rank // SPLITS - m_first
+    local = rem - m_first * nt
+    in_group = GROUP_M * nt
+    first = (local // in_group) * GROUP_M
+    group_rows = tl.minimum(m_count - first, GROUP_M)
+    m = m_first + first + (local % in_group) % group_rows
+    j = (local % in_group) // group_rows
+    piece = (m // tiles_per_piece) * WORLD + src
+    row_tile = m % tiles_per_piece
+    w = j * 0
+    if NUM_W > 1:
+        past = (j >= nt0).to(j.dtype)
+        w += past
+        j -= nt0 * past
+    if NUM_W > 2:
+        past = ((w == 1) & (j >= nt1)).to(j.dtype)
+        w += past
+        j -= nt1 * past
+    if NUM_W > 3:
+        past = ((w == 2) & (j >= nt2)).to(j.dtype)
+        w += past
+        j -= nt2 * past
+    return src, q, piece, row_tile, w, j
+
+
+@triton.jit
+def _wait_rows(flag_ptr, status_ptr, where, src, timeout_ns, OP_ID: tl.constexpr):
+    """Wait until the copy of these rows has landed: an acquire read first (the common case, the flag
+    is already set), the bounded spin of kernels/symm_mem.py only when it is not."""
+    arrived = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+    if arrived == 0:
+        wait_flag(flag_ptr, 1, status_ptr, OP_ID, where, src, timeout_ns)
+
+
+@triton.jit
+def _tile(a_desc, b_desc, c_desc, piece, row0, n0, k_tiles,
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_KN: tl.constexpr):  # fmt: skip
+    """C[piece, row0:+BM, n0:+BN] = A[piece, row0:+BM, :] @ B[:, n0:+BN], fp32 accumulation. B_KN: B
+    is stored [K, N]; otherwise [N, K] (an nn.Linear weight, used transposed)."""
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for ki in range(k_tiles):
+        k = ki * BK
+        a = a_desc.load([piece, row0, k]).reshape(BM, BK)
+        acc = tl.dot(a, b_desc.load([k, n0]), acc) if B_KN else tl.dot(a, b_desc.load([n0, k]).T, acc)
+    c_desc.store([piece, row0, n0], acc.to(c_desc.dtype).reshape(1, BM, BN))
+
+
+@triton.jit
+def _ag_matmul_kernel(
+    a_desc, b0_desc, b1_desc, b2_desc, b3_desc, c0_desc, c1_desc, c2_desc, c3_desc,
+    flags_ptr, status_ptr, timeout_ns, k, tiles_per_piece, pieces, nt0, nt1, nt2, nt3,
+    RANK: tl.constexpr, WORLD: tl.constexpr, NUM_W: tl.constexpr, SPLITS: tl.constexpr,
+    B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GROUP_M: tl.constexpr, OP_ID: tl.constexpr,
+):  # fmt: skip
+    """Persistent GEMM over the gathered rows: program i takes tiles i, i + G, ... of `_tile_coords`'
+    order; a tile first waits on the flag of the split holding its rows."""
+    tiles_per_rank = pieces * tiles_per_piece
+    total = WORLD * tiles_per_rank * (nt0 + nt1 + nt2 + nt3)
+    k_tiles = tl.cdiv(k, BK)
+    for tile in range(tl.program_id(0), total, tl.num_programs(0)):
+        src, q, piece, row_tile, w, n_tile = _tile_coords(
+            tile, tiles_per_rank, tiles_per_piece, nt0, nt1, nt2, nt3,
+            RANK, WORLD, NUM_W, SPLITS, GROUP_M,
+        )  # fmt: skip
+        flag = src * SPLITS + q
+        _wait_rows(flags_ptr + flag, status_ptr, FLAG_WHERE_BASE + flag, src, timeout_ns, OP_ID)
+        row0 = row_tile * BM
+        n0 = n_tile * BN
+        if w == 0:
+            _tile(a_desc, b0_desc, c0_desc, piece, row0, n0, k_tiles, BM, BN, BK, B_KN)
+        if NUM_W > 1 and w == 1:
+            _tile(a_desc, b1_desc, c1_desc, piece, row0, n0, k_tiles, BM, BN, BK, B_KN)
+        if NUM_W > 2 and w == 2:
+            _tile(a_desc, b2_desc, c2_desc, piece, row0, n0, k_tiles, BM, BN, BK, B_KN)
+        if NUM_W > 3 and w == 3:
+            _tile(a_desc, b3_desc, c3_desc, piece, row0, n0, k_tiles, BM, BN, BK, B_KN)
+
+
+@triton.jit
+def _barrier_kernel(pad_ptrs, epoch_ptr, status_ptr, timeout_ns,
+                    RANK: tl.constexpr, WORLD: tl.constexpr, OP_ID: tl.constexpr):  # fmt: skip
+    """One program: meet program 0 of every peer (kernels/symm_mem.py's epoch barrier 0)."""
+    epoch = load_epoch(epoch_ptr, 0)
+    barrier(pad_ptrs, 0, 0, epoch + 1, status_ptr, OP_ID, timeout_ns, RANK, WORLD)
+    advance_epoch(epoch_ptr, 0, epoch)
+
+
+def is_kn_layout(b: torch.Tensor) -> bool:
+    """True for a contiguous [K, N] matrix, False for `weight.t()` of a contiguous [N, K] weight."""
+    if b.is_contiguous():
+        return True
+    if b.t().is_contiguous():
+        return False
+    raise ValueError(
+        f"weight of shape {tuple(b.shape)} and strides {b.stride()} is neither a contiguous [K, N] "
+        "matrix nor the transpose of a contiguous [N, K] one: pass weight.t() or a contiguous tensor"
+    )
+
+
+def launch_gemm(
+    a_out: torch.Tensor,
+    layout: GatherLayout,
+    bs: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    flags: torch.Tensor,
+    status: torch.Tensor,
+    rank: int,
+    config: GemmConfig,
+    num_programs: int,
+    timeout_ns: int,
+) -> None:
+    """Launch the persistent GEMM: outs[i] (viewed [P * W, R, N_i]) = a_out (viewed [P * W, R, K])
+    @ bs[i], every tile waiting on flags[src * splits + q] (`config.splits` must already be clamped to
+    the row tiles per rank, as `all_gather_matmul` does)."""
+    if not 1 <= len(bs) <= MAX_WEIGHTS or len(outs) != len(bs):
+        raise ValueError(f"1 to {MAX_WEIGHTS} weights with one output each, got {len(bs)} / {len(outs)}")
+    kn = {is_kn_layout(b) for b in bs}
+    if len(kn) != 1:
+        raise ValueError("all weights of one call must share a layout ([K, N] or weight.t() views)")
+    b_kn = kn.pop()
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    pw, r, k = layout.pieces * layout.world, layout.rows, layout.k
+    a_desc = TensorDescriptor(a_out, [pw, r, k], [r * k, k, 1], [1, bm, bk])
+    b_descs, c_descs, n_tiles = [], [], []
+    for b, c in zip(bs, outs, strict=True):
+        n = b.shape[1]
+        if b_kn:
+            b_descs.append(TensorDescriptor(b, [k, n], [n, 1], [bk, bn]))
+        else:
+            b_descs.append(TensorDescriptor(b.t(), [n, k], [k, 1], [bn, bk]))
+        c_descs.append(TensorDescriptor(c, [pw, r, n], [r * n, n, 1], [1, bm, bn]))
+        n_tiles.append(triton.cdiv(n, bn))
+    unused = MAX_WEIGHTS - len(bs)
+    b_descs += [b_descs[0]] * unused
+    c_descs += [c_descs[0]] * unused
+    n_tiles += [0] * unused
+    _ag_matmul_kernel[(num_programs,)](
+        a_desc, *b_descs, *c_descs,
+        flags, status, timeout_ns, k, triton.cdiv(r, bm), layout.pieces, *n_tiles,
+        RANK=rank, WORLD=layout.world, NUM_W=len(bs), SPLITS=config.splits, B_KN=b_kn,
+        BM=bm, BN=bn, BK=bk, GROUP_M=config.group_m, OP_ID=OP,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ reference
+
+
+def all_gather_matmul_reference(
+    a_shard: torch.Tensor, bs: Sequence[torch.Tensor], dim: int, group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The stock path: all_gather_into_tensor (NCCL / gloo), then one torch.matmul per weight."""
+    group = group if group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    dim %= a_shard.dim()
+    if world == 1:
+        a = a_shard
+    else:
+        shard = a_shard.contiguous()
+        flat = torch.empty((world * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
+        dist.all_gather_into_tensor(flat, shard, group=group)
+        a = flat.unflatten(0, (world, -1)).movedim(0, dim).flatten(dim, dim + 1) if dim else flat
+    return a, [torch.matmul(a, b) for b in bs]
+
+
+# ------------------------------------------------------------------------------------ dispatch
+
+
+def check_inputs(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], dim: int) -> None:
+    """Errors for calls no path can run (raised before any communication)."""
+    if not bs:
+        raise ValueError("all_gather_matmul needs at least one weight")
+    nd = a_shard.dim()
+    if nd < 2 or not -nd <= dim < nd:
+        raise ValueError(f"dim {dim} is invalid for a_shard of shape {tuple(a_shard.shape)}")
+    for i, b in enumerate(bs):
+        if b.dim() != 2 or b.shape[0] != a_shard.shape[-1]:
+            raise ValueError(
+                f"weight {i} has shape {tuple(b.shape)}; a_shard {tuple(a_shard.shape)} needs "
+                f"[{a_shard.shape[-1]}, N] (pass an nn.Linear weight as weight.t())"
+            )
+        if b.dtype != a_shard.dtype or b.device != a_shard.device:
+            raise ValueError(
+                f"weight {i} is {b.dtype} on {b.device}, a_shard {a_shard.dtype} on {a_shard.device}: "
+                "cast them to one dtype on one device"
+            )
+
+
+def fallback_reason(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], dim: int, world: int) -> str | None:
+    """Why the kernel cannot run this call (the reference runs it instead), or None."""
+    if world not in SUPPORTED_WORLD_SIZES:
+        return f"world size {world} (the kernel serves {SUPPORTED_WORLD_SIZES})"
+    if a_shard.dtype != torch.bfloat16:
+        return f"dtype {a_shard.dtype} (the kernel is bf16)"
+    if dim % a_shard.dim() == a_shard.dim() - 1:
+        return "gather along the last dim"
+    if a_shard.shape[-1] % TMA_ALIGN or any(b.shape[1] % TMA_ALIGN for b in bs):
+        return f"K or N not a multiple of {TMA_ALIGN} (TMA needs 16-byte row strides)"
+    if a_shard.numel() == 0 or any(b.shape[1] == 0 for b in bs):
+        return "an empty operand"
+    try:
+        layouts = {is_kn_layout(b) for b in bs}
+    except ValueError as err:
+        return str(err)
+    if len(layouts) != 1:
+        return "weights in mixed layouts ([K, N] and weight.t())"
+    if any(b.data_ptr() % 16 for b in bs):
+        return "a weight not 16-byte aligned"
+    return None
+
+
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """High-priority stream of the copy engine work (one per device, reused)."""
+    stream = _SIDE_STREAMS.get(device.index)
+    if stream is None:
+        stream = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device=device, priority=-1)
+    return stream
+
+
+def _set_flag(flags: torch.Tensor, index: int) -> None:
+    """flags[index] = 1 on the current stream, after the stream's earlier copies (memory engine)."""
+    from torch._C._distributed_c10d import _SymmetricMemory
+
+    if torch.cuda.is_current_stream_capturing():
+        _SymmetricMemory.memset32(flags, offset=index, val=1, count=1)
+    else:
+        _SymmetricMemory.stream_write_value32(flags, index, 1)
+
+
+def _run_barrier(buf: SymmBuffer, timeout_ns: int) -> None:
+    _barrier_kernel[(1,)](
+        buf.signal_pad_ptrs_dev, buf.epoch, buf.status, timeout_ns,
+        RANK=buf.rank, WORLD=buf.world_size, OP_ID=OP, num_warps=1,
+    )  # fmt: skip
+
+
+_PREPARED: dict[str, dict[int, SymmBuffer]] = {}  # group name -> size class -> buffer
+
+
+def prepare(group: dist.ProcessGroup, shard_bytes: int) -> SymmBuffer:
+    """The symmetric buffer for shards of up to `shard_bytes` bytes, allocated on first use of its
+    size class (collective over `group`): call it, or make one eager call of the size, before capturing
+    a CUDA graph."""
+    buf = get_symm_buffer(group, shard_bytes, torch.uint8, tag=BUFFER_TAG)
+    _PREPARED.setdefault(group.group_name, {})[size_class(shard_bytes)] = buf
+    return buf
+
+
+def check(group: dist.ProcessGroup | None = None) -> None:
+    """Raise SymmMemTimeout (naming this rank, the op and the missing peer) if a wait of this op on
+    `group` gave up; synchronizes the device. Call after a CUDA graph replay or in tests."""
+    group = group if group is not None else dist.group.WORLD
+    for buf in _PREPARED.get(group.group_name, {}).values():
+        check_status(buf, "all_gather_matmul")
+
+
+def all_gather_matmul_kernel(
+    a_shard: torch.Tensor,
+    bs: Sequence[torch.Tensor],
+    dim: int,
+    group: dist.ProcessGroup,
+    config: GemmConfig | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The kernel path (callers check `fallback_reason` first): see the module docstring."""
+    world = dist.get_world_size(group)
+    dim %= a_shard.dim()
+    layout = gather_layout(a_shard.shape, dim, world)
+    shard = a_shard.contiguous().view(layout.pieces, layout.rows, layout.k)
+    nbytes = shard.numel() * shard.element_size()
+    if torch.cuda.is_current_stream_capturing() and size_class(nbytes) not in _PREPARED.get(
+        group.group_name, {}
+    ):
+        raise RuntimeError(
+            f"all_gather_matmul: no symmetric buffer for {nbytes}-byte shards yet, and allocating one "
+            "is collective: call kernels.ag_matmul.prepare(group, nbytes) or run one eager call of this "
+            "size before capturing the CUDA graph"
+        )
+    buf = prepare(group, nbytes)
+    rank = buf.rank
+    cfg = config or pick_config(sum(b.shape[1] for b in bs))
+    tiles_per_rank = layout.pieces * triton.cdiv(layout.rows, cfg.block_m)
+    cfg = dataclasses.replace(cfg, splits=max(1, min(cfg.splits, tiles_per_rank)))
+    splits = cfg.splits
+    plan = copy_plan(layout, cfg.block_m, splits)
+    timeout_ns = int(timeout_s * 1e9)
+
+    device = a_shard.device
+    main = torch.cuda.current_stream(device)
+    side = _side_stream(device)
+    a = torch.empty(layout.gathered_shape(a_shard.shape, dim), dtype=a_shard.dtype, device=device)
+    outs = [torch.empty((*a.shape[:-1], b.shape[1]), dtype=a.dtype, device=device) for b in bs]
+    # One slot more than needed: some torch versions refuse memset32 on a tensor's last element.
+    flags = torch.zeros(world * splits + 1, dtype=torch.uint32, device=device)
+    a4 = a.view(layout.pieces, world, layout.rows, layout.k)
+    mine = buf.view(0, shard.numel(), shard.dtype).view_as(shard)
+
+    # Own rows: copy engine, overlapping the copy into symmetric memory and the entry barrier.
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        for q, ranges in enumerate(plan):
+            for b, lo, hi in ranges:
+                a4[b, rank, lo:hi].copy_(shard[b, lo:hi])
+            _set_flag(flags, rank * splits + q)
+    mine.copy_(shard)
+    _run_barrier(buf, timeout_ns)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        for step in range(1, world):
+            src = (rank + step) % world
+            peer = buf.handle.get_buffer(
+                src, list(shard.shape), shard.dtype, storage_offset=buf.base_offset // shard.element_size()
+            )
+            for q, ranges in enumerate(plan):
+                for b, lo, hi in ranges:
+                    a4[b, src, lo:hi].copy_(peer[b, lo:hi])
+                _set_flag(flags, src * splits + q)
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    for start in range(0, len(bs), MAX_WEIGHTS):
+        part = slice(start, start + MAX_WEIGHTS)
+        tiles = world * tiles_per_rank * sum(triton.cdiv(b.shape[1], cfg.block_n) for b in bs[part])
+        launch_gemm(
+            a, layout, bs[part], outs[part], flags, buf.status, rank, cfg, min(num_sms, tiles), timeout_ns
+        )
+    main.wait_stream(side)
+    _run_barrier(buf, timeout_ns)
+    return a, outs
+
+
+def _resolve_group(group_name: str) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+@torch.library.custom_op("weft::all_gather_matmul", mutates_args=())
+def all_gather_matmul_op(
+    a_shard: torch.Tensor, bs: list[torch.Tensor], dim: int, group_name: str
+) -> list[torch.Tensor]:
+    """Registered op: [all_gather(a_shard, dim), a @ bs[0], a @ bs[1], ...] over the group
+    `group_name`: the kernel where `fallback_reason` allows, the reference otherwise."""
+    check_inputs(a_shard, bs, dim)
+    if not a_shard.is_cuda:
+        raise ValueError(
+            f"all_gather_matmul (parallel.comm=triton) needs CUDA tensors, got a_shard on {a_shard.device}: "
+            "use parallel.comm=torch (or all_gather_matmul_reference) on CPU"
+        )
+    group = _resolve_group(group_name)
+    world = dist.get_world_size(group)
+    if world == 1:
+        a = a_shard.clone()
+        return [a, *(torch.matmul(a, b) for b in bs)]
+    if fallback_reason(a_shard, bs, dim, world) is None:
+        a, outs = all_gather_matmul_kernel(a_shard, bs, dim, group)
+    else:
+        a, outs = all_gather_matmul_reference(a_shard, bs, dim, group)
+    return [a, *outs]
+
+
+@all_gather_matmul_op.register_fake
+def _(a_shard: torch.Tensor, bs: list[torch.Tensor], dim: int, group_name: str) -> list[torch.Tensor]:
+    shape = list(a_shard.shape)
+    shape[dim % a_shard.dim()] *= _resolve_group(group_name).size()
+    return [a_shard.new_empty(shape), *(a_shard.new_empty((*shape[:-1], b.shape[1])) for b in bs)]
+
+
+def all_gather_matmul(
+    a_shard: torch.Tensor, bs: Sequence[torch.Tensor], dim: int, group: dist.ProcessGroup | None = None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(all_gather(a_shard, dim), [a @ b for b in bs]) over `group` (default: the world), through the
+    registered op weft::all_gather_matmul: what parallel/comm.py's triton path calls."""
+    group = group if group is not None else dist.group.WORLD
+    a, *outs = torch.ops.weft.all_gather_matmul(a_shard, list(bs), dim, group.group_name)
+    return a, outs
