@@ -499,7 +499,16 @@ def all_gather_matmul_kernel(
             _set_flag(flags, rank * splits + q)
     mine.copy_(shard)
     _run_barrier(buf, timeout_ns)
-    side.wait_stream(main)
+    side.wait_stream(main)  # the peer copies below start after the entry barrier
+    # The GEMM is queued before the peer copies: it starts on its own rows while the host still
+    # queues the copies it will wait for.
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    for start in range(0, len(bs), MAX_WEIGHTS):
+        part = slice(start, start + MAX_WEIGHTS)
+        tiles = world * tiles_per_rank * sum(triton.cdiv(b.shape[1], cfg.block_n) for b in bs[part])
+        launch_gemm(
+            a, layout, bs[part], outs[part], flags, buf.status, rank, cfg, min(num_sms, tiles), timeout_ns
+        )
     with torch.cuda.stream(side):
         for step in range(1, world):
             src = (rank + step) % world
@@ -510,13 +519,6 @@ def all_gather_matmul_kernel(
                 for b, lo, hi in ranges:
                     a4[b, src, lo:hi].copy_(peer[b, lo:hi])
                 _set_flag(flags, src * splits + q)
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    for start in range(0, len(bs), MAX_WEIGHTS):
-        part = slice(start, start + MAX_WEIGHTS)
-        tiles = world * tiles_per_rank * sum(triton.cdiv(b.shape[1], cfg.block_n) for b in bs[part])
-        launch_gemm(
-            a, layout, bs[part], outs[part], flags, buf.status, rank, cfg, min(num_sms, tiles), timeout_ns
-        )
     main.wait_stream(side)
     _run_barrier(buf, timeout_ns)
     return a, outs
