@@ -97,10 +97,11 @@ class GemmConfig:
 
 
 # (largest total N over the weights, config), first match. 128x256x64 / 8 warps / 3 stages is the
-# wgmma-friendly Hopper tile (208 KiB of shared memory with the epilogue tile); narrow outputs get
-# 128x128 tiles so enough tiles exist to fill the SMs. Refine from `bench_ag_matmul.py --sweep`.
+# wgmma-friendly Hopper tile (208 KiB of shared memory with the epilogue tile, no register spills);
+# narrow outputs get 128x128 tiles so that enough tiles exist to fill the SMs. Not yet measured on
+# H200: refine from `torchrun --nproc_per_node=4 benchmarks/bench_ag_matmul.py --sweep`.
 CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
-    (4096, GemmConfig(128, 128, 64, 8, 8, 4, 4)),
+    (1024, GemmConfig(128, 128, 64, 8, 8, 4, 4)),
     (1 << 62, GemmConfig(128, 256, 64, 8, 8, 3, 4)),
 )
 
@@ -133,7 +134,7 @@ def gather_layout(shard_shape: Sequence[int], dim: int, world: int) -> GatherLay
     nd = len(shard_shape)
     if nd < 2:
         raise ValueError(f"a_shard must have at least 2 dims (rows, K), got shape {tuple(shard_shape)}")
-    if not -nd <= dim < nd - 1 and dim != -1 % nd:
+    if not -nd <= dim < nd:
         raise ValueError(f"dim {dim} is out of range for a {nd}-d a_shard")
     dim %= nd
     if dim == nd - 1:

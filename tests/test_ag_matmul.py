@@ -203,7 +203,8 @@ def test_check_inputs_and_fallback_rules() -> None:
 
 
 def test_pick_config_and_dispatch() -> None:
-    assert ag.pick_config(2560).block_n == 128
+    assert ag.pick_config(1000).block_n == 128
+    assert ag.pick_config(2560).block_n == 256
     assert ag.pick_config(14336).block_n == 256
     from parallel.comm import _find_kernel
 
