@@ -17,18 +17,20 @@ piece (R need not be a multiple of the tile: the descriptors clip).
 
 One call (host choreography, all on the caller's stream S plus one high-priority side stream C)
 ----------------------------------------------------------------------------------------------
-    S: a_shard -> this rank's symmetric buffer            C: own rows of `a` <- a_shard (copy engine)
-    S: entry barrier (peers' shards are in place)          C: flag(own split q) = 1 after each split
-    S: GEMM over all tiles, own rows first                 C: (after the barrier) for r = rank+1, ...:
-       each tile waits on the flag of its rows' split            a[rows of r, split q] <- peer r's buffer
-                                                                  flag(r, q) = 1
+    S: a_shard -> this rank's symmetric buffer
+    S: entry barrier (every peer's shard is in place)
+    S: GEMM over all tiles, own rows first (read from      C: (after the barrier) for r = rank+1, ...:
+       the symmetric buffer, no wait); a peer's tile              a[rows of r, split q] <- peer r's buffer
+       waits on the flag of its rows' split                       flag(r, q) = 1   (copy engine)
+                                                           C: own rows of `a` <- a_shard
     S: wait for C; exit barrier (no peer still reads this rank's buffer when the next call overwrites it)
 
 Flags are a fresh zeroed uint32 tensor per call, written by `cuStreamWriteValue32` (eager; it fences
 before the write) or `cuMemsetD32Async` (under CUDA-graph capture, where the former cannot be
-captured), both executed by the stream's memory engine, not by SMs: the side stream runs no kernel, so
-a GEMM that owns every SM cannot starve the copies it waits for. The two barriers are the epoch
-barriers of kernels/symm_mem.py (bounded, device-side state), so eager calls and graph replays mix.
+captured); copies and flag writes are memory operations of the stream (copy engines, as PyTorch's own
+async-TP relies on), no kernel: a GEMM that owns every SM cannot starve the copies it waits for.
+The two barriers are the epoch barriers of kernels/symm_mem.py (bounded, device-side state), so eager
+calls and graph replays mix.
 
 Tile schedule (the order the persistent programs walk, program i taking tiles i, i + G, ...): ranks in
 arrival order (own rank first, then rank+1, ...); inside a rank its row tiles are cut into `splits`
@@ -225,28 +227,46 @@ def _wait_rows(flag_ptr, status_ptr, where, src, timeout_ns, OP_ID: tl.constexpr
 
 
 @triton.jit
-def _tile(a_desc, b_desc, c_desc, piece, row0, n0, k_tiles,
+def _tile(a_desc, a_piece, b_desc, c_desc, c_piece, row0, n0, k_tiles,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_KN: tl.constexpr):  # fmt: skip
-    """C[piece, row0:+BM, n0:+BN] = A[piece, row0:+BM, :] @ B[:, n0:+BN], fp32 accumulation. B_KN: B
-    is stored [K, N]; otherwise [N, K] (an nn.Linear weight, used transposed)."""
+    """C[c_piece, row0:+BM, n0:+BN] = A[a_piece, row0:+BM, :] @ B[:, n0:+BN], fp32 accumulation. B_KN:
+    B is stored [K, N]; otherwise [N, K] (an nn.Linear weight, used transposed)."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for ki in range(k_tiles):
         k = ki * BK
-        a = a_desc.load([piece, row0, k]).reshape(BM, BK)
+        a = a_desc.load([a_piece, row0, k]).reshape(BM, BK)
         acc = tl.dot(a, b_desc.load([k, n0]), acc) if B_KN else tl.dot(a, b_desc.load([n0, k]).T, acc)
-    c_desc.store([piece, row0, n0], acc.to(c_desc.dtype).reshape(1, BM, BN))
+    c_desc.store([c_piece, row0, n0], acc.to(c_desc.dtype).reshape(1, BM, BN))
+
+
+@triton.jit
+def _tile_of_weight(
+    a_desc, a_piece, b0_desc, b1_desc, b2_desc, b3_desc, c0_desc, c1_desc, c2_desc, c3_desc,
+    w, c_piece, row0, n0, k_tiles,
+    NUM_W: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_KN: tl.constexpr,
+):  # fmt: skip
+    """`_tile` with weight w's B and C descriptors (descriptors cannot be indexed at run time)."""
+    if w == 0:
+        _tile(a_desc, a_piece, b0_desc, c0_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN)
+    if NUM_W > 1 and w == 1:
+        _tile(a_desc, a_piece, b1_desc, c1_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN)
+    if NUM_W > 2 and w == 2:
+        _tile(a_desc, a_piece, b2_desc, c2_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN)
+    if NUM_W > 3 and w == 3:
+        _tile(a_desc, a_piece, b3_desc, c3_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN)
 
 
 @triton.jit
 def _ag_matmul_kernel(
-    a_desc, b0_desc, b1_desc, b2_desc, b3_desc, c0_desc, c1_desc, c2_desc, c3_desc,
+    own_desc, a_desc, b0_desc, b1_desc, b2_desc, b3_desc, c0_desc, c1_desc, c2_desc, c3_desc,
     flags_ptr, status_ptr, timeout_ns, k, tiles_per_piece, pieces, nt0, nt1, nt2, nt3,
     RANK: tl.constexpr, WORLD: tl.constexpr, NUM_W: tl.constexpr, SPLITS: tl.constexpr,
     B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     GROUP_M: tl.constexpr, OP_ID: tl.constexpr,
 ):  # fmt: skip
     """Persistent GEMM over the gathered rows: program i takes tiles i, i + G, ... of `_tile_coords`'
-    order; a tile first waits on the flag of the split holding its rows."""
+    order. Own rows are read from this rank's shard (`own_desc`, [P, R, K]) without waiting; a peer's
+    rows from the gathered `a` (`a_desc`, [P * W, R, K]) once the flag of their split is set."""
     tiles_per_rank = pieces * tiles_per_piece
     total = WORLD * tiles_per_rank * (nt0 + nt1 + nt2 + nt3)
     k_tiles = tl.cdiv(k, BK)
@@ -255,18 +275,19 @@ def _ag_matmul_kernel(
             tile, tiles_per_rank, tiles_per_piece, nt0, nt1, nt2, nt3,
             RANK, WORLD, NUM_W, SPLITS, GROUP_M,
         )  # fmt: skip
-        flag = src * SPLITS + q
-        _wait_rows(flags_ptr + flag, status_ptr, FLAG_WHERE_BASE + flag, src, timeout_ns, OP_ID)
         row0 = row_tile * BM
         n0 = n_tile * BN
-        if w == 0:
-            _tile(a_desc, b0_desc, c0_desc, piece, row0, n0, k_tiles, BM, BN, BK, B_KN)
-        if NUM_W > 1 and w == 1:
-            _tile(a_desc, b1_desc, c1_desc, piece, row0, n0, k_tiles, BM, BN, BK, B_KN)
-        if NUM_W > 2 and w == 2:
-            _tile(a_desc, b2_desc, c2_desc, piece, row0, n0, k_tiles, BM, BN, BK, B_KN)
-        if NUM_W > 3 and w == 3:
-            _tile(a_desc, b3_desc, c3_desc, piece, row0, n0, k_tiles, BM, BN, BK, B_KN)
+        a_d = own_desc
+        a_piece = piece // WORLD
+        if src != RANK:
+            flag = src * SPLITS + q
+            _wait_rows(flags_ptr + flag, status_ptr, FLAG_WHERE_BASE + flag, src, timeout_ns, OP_ID)
+            a_d = a_desc
+            a_piece = piece
+        _tile_of_weight(
+            a_d, a_piece, b0_desc, b1_desc, b2_desc, b3_desc, c0_desc, c1_desc, c2_desc,
+            c3_desc, w, piece, row0, n0, k_tiles, NUM_W, BM, BN, BK, B_KN,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -291,6 +312,7 @@ def is_kn_layout(b: torch.Tensor) -> bool:
 
 
 def launch_gemm(
+    own: torch.Tensor,
     a_out: torch.Tensor,
     layout: GatherLayout,
     bs: Sequence[torch.Tensor],
@@ -302,9 +324,10 @@ def launch_gemm(
     num_programs: int,
     timeout_ns: int,
 ) -> None:
-    """Launch the persistent GEMM: outs[i] (viewed [P * W, R, N_i]) = a_out (viewed [P * W, R, K])
-    @ bs[i], every tile waiting on flags[src * splits + q] (`config.splits` must already be clamped to
-    the row tiles per rank, as `all_gather_matmul` does)."""
+    """Launch the persistent GEMM: outs[i] (viewed [P * W, R, N_i]) = A @ bs[i], A's rows of this rank
+    read from `own` ([P, R, K], contiguous), the other rows from `a_out` (viewed [P * W, R, K]) after
+    flags[src * splits + q] is set (`config.splits` clamped to the row tiles per rank, as
+    `all_gather_matmul_kernel` does). `a_out`'s own rows are neither read nor written."""
     if not 1 <= len(bs) <= MAX_WEIGHTS or len(outs) != len(bs):
         raise ValueError(f"1 to {MAX_WEIGHTS} weights with one output each, got {len(bs)} / {len(outs)}")
     kn = {is_kn_layout(b) for b in bs}
@@ -314,6 +337,7 @@ def launch_gemm(
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     pw, r, k = layout.pieces * layout.world, layout.rows, layout.k
     a_desc = TensorDescriptor(a_out, [pw, r, k], [r * k, k, 1], [1, bm, bk])
+    own_desc = TensorDescriptor(own, [layout.pieces, r, k], [r * k, k, 1], [1, bm, bk])
     b_descs, c_descs, n_tiles = [], [], []
     for b, c in zip(bs, outs, strict=True):
         n = b.shape[1]
@@ -328,7 +352,7 @@ def launch_gemm(
     c_descs += [c_descs[0]] * unused
     n_tiles += [0] * unused
     _ag_matmul_kernel[(num_programs,)](
-        a_desc, *b_descs, *c_descs,
+        own_desc, a_desc, *b_descs, *c_descs,
         flags, status, timeout_ns, k, triton.cdiv(r, bm), layout.pieces, *n_tiles,
         RANK=rank, WORLD=layout.world, NUM_W=len(bs), SPLITS=config.splits, B_KN=b_kn,
         BM=bm, BN=bn, BK=bk, GROUP_M=config.group_m, OP_ID=OP,
@@ -430,7 +454,8 @@ def _run_barrier(buf: SymmBuffer, timeout_ns: int) -> None:
     )  # fmt: skip
 
 
-_PREPARED: dict[str, dict[int, SymmBuffer]] = {}  # group name -> size class -> buffer
+# Group name -> size classes of this op's buffers (kernels/symm_mem.py caches the buffers themselves).
+_PREPARED: dict[str, set[int]] = {}
 
 
 def prepare(group: dist.ProcessGroup, shard_bytes: int) -> SymmBuffer:
@@ -438,7 +463,7 @@ def prepare(group: dist.ProcessGroup, shard_bytes: int) -> SymmBuffer:
     size class (collective over `group`): call it, or make one eager call of the size, before capturing
     a CUDA graph."""
     buf = get_symm_buffer(group, shard_bytes, torch.uint8, tag=BUFFER_TAG)
-    _PREPARED.setdefault(group.group_name, {})[size_class(shard_bytes)] = buf
+    _PREPARED.setdefault(group.group_name, set()).add(buf.nbytes)
     return buf
 
 
@@ -446,8 +471,8 @@ def check(group: dist.ProcessGroup | None = None) -> None:
     """Raise SymmMemTimeout (naming this rank, the op and the missing peer) if a wait of this op on
     `group` gave up; synchronizes the device. Call after a CUDA graph replay or in tests."""
     group = group if group is not None else dist.group.WORLD
-    for buf in _PREPARED.get(group.group_name, {}).values():
-        check_status(buf, "all_gather_matmul")
+    for nbytes in sorted(_PREPARED.get(group.group_name, ())):
+        check_status(get_symm_buffer(group, nbytes, torch.uint8, tag=BUFFER_TAG), "all_gather_matmul")
 
 
 def all_gather_matmul_kernel(
@@ -465,7 +490,7 @@ def all_gather_matmul_kernel(
     shard = a_shard.contiguous().view(layout.pieces, layout.rows, layout.k)
     nbytes = shard.numel() * shard.element_size()
     if torch.cuda.is_current_stream_capturing() and size_class(nbytes) not in _PREPARED.get(
-        group.group_name, {}
+        group.group_name, ()
     ):
         raise RuntimeError(
             f"all_gather_matmul: no symmetric buffer for {nbytes}-byte shards yet, and allocating one "
@@ -491,24 +516,27 @@ def all_gather_matmul_kernel(
     a4 = a.view(layout.pieces, world, layout.rows, layout.k)
     mine = buf.view(0, shard.numel(), shard.dtype).view_as(shard)
 
-    # Own rows: copy engine, overlapping the copy into symmetric memory and the entry barrier.
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        for q, ranges in enumerate(plan):
-            for b, lo, hi in ranges:
-                a4[b, rank, lo:hi].copy_(shard[b, lo:hi])
-            _set_flag(flags, rank * splits + q)
     mine.copy_(shard)
     _run_barrier(buf, timeout_ns)
-    side.wait_stream(main)  # the peer copies below start after the entry barrier
-    # The GEMM is queued before the peer copies: it starts on its own rows while the host still
-    # queues the copies it will wait for.
+    side.wait_stream(main)  # the copies below start after the entry barrier
+    # The GEMM is queued before the copies: it starts on this rank's rows (read from the symmetric
+    # buffer) while the host still queues the copies it will wait for.
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     for start in range(0, len(bs), MAX_WEIGHTS):
         part = slice(start, start + MAX_WEIGHTS)
         tiles = world * tiles_per_rank * sum(triton.cdiv(b.shape[1], cfg.block_n) for b in bs[part])
         launch_gemm(
-            a, layout, bs[part], outs[part], flags, buf.status, rank, cfg, min(num_sms, tiles), timeout_ns
+            mine,
+            a,
+            layout,
+            bs[part],
+            outs[part],
+            flags,
+            buf.status,
+            rank,
+            cfg,
+            min(num_sms, tiles),
+            timeout_ns,
         )
     with torch.cuda.stream(side):
         for step in range(1, world):
@@ -520,6 +548,9 @@ def all_gather_matmul_kernel(
                 for b, lo, hi in ranges:
                     a4[b, src, lo:hi].copy_(peer[b, lo:hi])
                 _set_flag(flags, src * splits + q)
+        # This rank's rows of the result, last: nothing waits for them but the end of the call.
+        for b in range(layout.pieces):
+            a4[b, rank].copy_(shard[b])
     main.wait_stream(side)
     _run_barrier(buf, timeout_ns)
     return a, outs

@@ -136,12 +136,15 @@ def test_gemm_kernel_math(case) -> None:
     world, rank, pieces, rows, k, ns, kn, splits = case
     layout = ag.GatherLayout(pieces, rows, k, world)
     a = torch.randn(pieces, world, rows, k).half()
+    own = a[:, rank].clone()
+    a_out = a.clone()
+    a_out[:, rank] = float("nan")  # the kernel reads this rank's rows from `own` only
     bs = [torch.randn(k, n).half() if kn else torch.randn(n, k).half().t() for n in ns]
     outs = [torch.full((pieces, world, rows, n), float("nan")).half() for n in ns]
     cfg = ag.GemmConfig(16, 16, 16, 2, 4, 2, splits)
     flags = torch.ones(world * splits + 1, dtype=torch.int32)  # every copy already landed
     status = torch.zeros(4, dtype=torch.int32)
-    ag.launch_gemm(a, layout, bs, outs, flags, status, rank, cfg, 5, 10**9)
+    ag.launch_gemm(own, a_out, layout, bs, outs, flags, status, rank, cfg, 5, 10**9)
     assert status.tolist() == [0, 0, 0, 0]
     for i, (b, out) in enumerate(zip(bs, outs, strict=True)):
         ref = a.float() @ b.float()
@@ -157,6 +160,7 @@ def test_launch_gemm_refuses_mixed_layouts() -> None:
     outs = [torch.zeros(1, 2, 16, 8).half()] * 2
     with pytest.raises(ValueError, match="share a layout"):
         ag.launch_gemm(
+            a[:, 0].contiguous(),
             a,
             layout,
             bs,
