@@ -38,10 +38,11 @@ balanced runs, each run's tiles x every weight's column tiles, ordered by a grou
 run (GROUP_M row tiles share their B tiles in L2); the column tiles of weight 0 come first, then
 weight 1, ... so the A tiles of a row block are reused from L2 across weights.
 
-Waits: before the first K-step of a tile the program waits (acquire, system scope, bounded) on its
-split's flag; on timeout it records (op, flag index, rank that owns the rows) in the buffer's status
-word, and `check(group)` (or `check_status`) raises SymmMemTimeout naming the missing rank. In the
-status word the "barrier" of a flag wait is 2 + its flag index (r * splits + q); 0 is the barriers'.
+Waits: before the first K-step of a tile of a peer's rows the program waits (acquire, system scope,
+bounded) on its split's flag; on timeout it records (op, flag index, rank that owns the rows) in the
+buffer's status word, and `check(group)` (or `check_status`) raises SymmMemTimeout naming the missing
+rank. In the status word the "barrier" of a flag wait is 2 + its flag index (r * splits + q); 0 is
+the entry and exit barriers'.
 
 What runs where (decided here, and what comm.py's triton path gets):
 * the kernel: bf16 a_shard and weights on CUDA, world size 2, 4 or 8, gather dim not the last, K and

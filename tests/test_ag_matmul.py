@@ -254,6 +254,7 @@ GPU_CASES = [  # shard shape, dim, Ns, weights as [K, N] (else weight.t() views)
     ((2, 77, 520), 1, [136], True),
     ((1, 1024, 4096), 1, [3072], False),
     ((3, 64, 256), 0, [512, 128], True),
+    ((2, 40, 256), -2, [64, 8, 136, 72, 64], False),  # 5 weights: two launches over one gather
 ]
 BF16_RTOL = 1.6e-2
 
@@ -262,6 +263,7 @@ def _reference(
     shard: torch.Tensor, bs: list[torch.Tensor], dim: int
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     world = dist.get_world_size()
+    dim %= shard.dim()
     flat = torch.empty((world * shard.shape[0], *shard.shape[1:]), dtype=shard.dtype, device=shard.device)
     dist.all_gather_into_tensor(flat, shard.contiguous())
     a = flat.unflatten(0, (world, -1)).movedim(0, dim).flatten(dim, dim + 1) if dim else flat
@@ -302,6 +304,7 @@ def _correctness(rank: int, world: int) -> None:
             shard = torch.randn(shape, device=dev, dtype=torch.bfloat16)
             torch.manual_seed(trial)  # weights equal on every rank, as in tensor parallelism
             bs = _weights(shape[-1], ns, kn, dev)
+            assert ag.fallback_reason(shard, bs, dim, world) is None, "this case must run the kernel"
             a, outs = _poisoned_call(shard, bs, dim)
             torch.cuda.synchronize()
             ag.check()
