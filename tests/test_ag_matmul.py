@@ -52,7 +52,8 @@ def _coords_kernel(
 
 def schedule(
     rank: int, world: int, pieces: int, rows: int, block_m: int, n_tiles: list[int], splits: int, group_m: int
-):
+) -> list[list[int]]:
+    """(src, split, piece, row tile, weight, column tile) of every tile, in schedule order."""
     per_piece = triton.cdiv(rows, block_m)
     tiles_per_rank = pieces * per_piece
     total = world * tiles_per_rank * sum(n_tiles)
