@@ -7,15 +7,18 @@
     y = car(buf)                              # no copy: the kernel reads the peers' buffers directly
     torch.ops.weft.symm_all_reduce(x, group.group_name)   # the same, as a registered op
 
-`choose_algorithm` picks one-shot up to a size measured per (world size, dtype) on 4x H200
-(ONE_SHOT_MAX_BYTES), two-shot above it, and NCCL (dist.all_reduce) above `max_size`, for unsupported
-world sizes / dtypes, and for sizes that are not whole 16-byte vectors. The rules are plain Python
-(tests/test_all_reduce_dispatch.py runs them on CPU).
+Four kernels (kernels/all_reduce.py): one_shot and two_shot (copy-in, barrier, remote reads) and
+one_shot_push and two_shot_push (remote stores whose data is its own flag: no barrier; a second
+symmetric buffer of 3 sets of slots, filled with the sentinel at construction; messages up to
+`push_max_size`). `choose_algorithm` walks AUTO_ALGORITHMS[world size][dtype], size ranges measured on
+H200, and takes the first row that covers the size and whose kernel can take it; NCCL
+(dist.all_reduce) above `max_size`, for unsupported world sizes / dtypes, and for sizes that are not
+whole 16-byte vectors. The rules are plain Python (tests/test_all_reduce_dispatch.py runs them on CPU).
 
 Direct use (`input_buffer`): the returned tensor is this rank's `direct` region of the symmetric
 buffer. Write the partial sums into it, then call the all-reduce on it (or on a leading slice of it
-that starts at its first element); the kernels only read it. There is one
-direct region per object: write the next call's partials only after the previous call was issued
+that starts at its first element); the kernels only read it (the push kernels read it like any other
+input, so it needs no special case there). There is one direct region per object: write the next call's partials only after the previous call was issued
 (stream order does the rest).
 """
 
@@ -27,19 +30,30 @@ import torch
 import torch.distributed as dist
 
 from kernels.all_reduce import (
+    PUSH_ALGORITHMS,
+    SENTINEL,
     SUPPORTED_DTYPES,
     VECTOR_BYTES,
+    PushLayout,
     all_reduce_reference,
     launch_all_reduce,
+    launch_push_all_reduce,
     region_offset,
 )
 from kernels.symm_mem import DEFAULT_TIMEOUT_S, MAX_BLOCKS, SymmBuffer, check_status, get_symm_buffer
 
 SUPPORTED_WORLD_SIZES = (2, 4, 8)
 DEFAULT_MAX_SIZE = 32 << 20
+# Largest message of the push kernels. Their buffer holds 3 (W + 2) slots of this size (world 4:
+# 18 x 4 MiB, rounded up to a power of two: 128 MiB).
+DEFAULT_PUSH_MAX_SIZE = 4 << 20
+ALGORITHMS = ("one_shot", "two_shot", *PUSH_ALGORITHMS)
 KiB, MiB = 1 << 10, 1 << 20
 
-# Largest message (bytes) that goes one-shot; two-shot above. Keyed by world size, then dtype.
+# (up to bytes, algorithm) rows per world size and dtype: the first row whose bound covers the size
+# and whose kernel can take it wins. The push kernels are not in the tables yet: they wait for the
+# 4x H200 sweep (`--sweep` of benchmarks/bench_all_reduce.py prints every algorithm's column).
+# The one-shot / two-shot crossovers:
 # World 2 (`torchrun --nproc_per_node=2 -m benchmarks.bench_all_reduce --sweep` on 2x H200,
 # benchmarks/results/all_reduce_sweep-2xh200.md): one-shot was faster than two-shot at every size from
 # 4 KiB to 32 MiB (two GPUs: both move the same bytes, two-shot pays a second barrier).
@@ -48,10 +62,20 @@ KiB, MiB = 1 << 10, 1 << 20
 # from 1 MiB (15.4 vs 18.1 us). World 8 is NOT measured (no 8-GPU machine was lent): one-shot reads
 # (W - 1) x size per rank, two-shot 2 (W - 1) / W x size, so the crossover is placed at a quarter of
 # world 4's: replace with a sweep on 8 GPUs.
-ONE_SHOT_MAX_BYTES: dict[int, dict[torch.dtype, int]] = {
-    2: {torch.bfloat16: 1 << 40, torch.float16: 1 << 40, torch.float32: 1 << 40},
-    4: {torch.bfloat16: 512 * KiB, torch.float16: 512 * KiB, torch.float32: 512 * KiB},
-    8: {torch.bfloat16: 128 * KiB, torch.float16: 128 * KiB, torch.float32: 128 * KiB},
+AlgorithmTable = dict[int, dict[torch.dtype, tuple[tuple[int, str], ...]]]
+ANY_SIZE = 1 << 62
+
+
+def _same_for_every_dtype(
+    rows: tuple[tuple[int, str], ...],
+) -> dict[torch.dtype, tuple[tuple[int, str], ...]]:
+    return {dtype: rows for dtype in SUPPORTED_DTYPES}
+
+
+AUTO_ALGORITHMS: AlgorithmTable = {
+    2: _same_for_every_dtype(((ANY_SIZE, "one_shot"),)),
+    4: _same_for_every_dtype(((512 * KiB, "one_shot"), (ANY_SIZE, "two_shot"))),
+    8: _same_for_every_dtype(((128 * KiB, "one_shot"), (ANY_SIZE, "two_shot"))),
 }
 
 
@@ -80,6 +104,18 @@ LAUNCH: dict[str, tuple[LaunchRow, ...]] = {
         LaunchRow(1 * MiB, 8, 64),
         LaunchRow(1 << 62, 16, 128),
     ),
+    # Not measured yet (replace from the --sweep): one step per program (4 warps: 2 KiB) for latency,
+    # more warps and programs once there is bandwidth to fill. Two-shot rows count each rank's chunk.
+    "one_shot_push": (
+        LaunchRow(64 * KiB, 4, 32),
+        LaunchRow(1 * MiB, 8, 128),
+        LaunchRow(1 << 62, 16, 128),
+    ),
+    "two_shot_push": (
+        LaunchRow(256 * KiB, 4, 32),
+        LaunchRow(4 * MiB, 8, 128),
+        LaunchRow(1 << 62, 16, 128),
+    ),
 }
 
 
@@ -88,9 +124,12 @@ def choose_algorithm(
     world_size: int,
     dtype: torch.dtype,
     max_size: int,
-    one_shot_max: dict[int, dict[torch.dtype, int]] | None = None,
+    table: AlgorithmTable | None = None,
+    push_max_size: int = DEFAULT_PUSH_MAX_SIZE,
 ) -> str:
-    """'identity' (world 1), 'one_shot', 'two_shot' or 'nccl' for a message of `nbytes`."""
+    """'identity' (world 1), one of ALGORITHMS, or 'nccl' for a message of `nbytes`: the first row of
+    the table that covers `nbytes` and whose kernel takes it (push kernels: up to `push_max_size`);
+    two-shot when no row does."""
     if world_size == 1:
         return "identity"
     if (
@@ -101,8 +140,11 @@ def choose_algorithm(
         or nbytes > max_size
     ):
         return "nccl"
-    table = ONE_SHOT_MAX_BYTES if one_shot_max is None else one_shot_max
-    return "one_shot" if nbytes <= table[world_size][dtype] else "two_shot"
+    rows = (AUTO_ALGORITHMS if table is None else table)[world_size][dtype]
+    for max_bytes, algo in rows:
+        if nbytes <= max_bytes and (algo not in PUSH_ALGORITHMS or nbytes <= push_max_size):
+            return algo
+    return "two_shot"
 
 
 def launch_config(algo: str, nbytes: int, world_size: int, itemsize: int) -> tuple[int, int]:
@@ -112,7 +154,7 @@ def launch_config(algo: str, nbytes: int, world_size: int, itemsize: int) -> tup
         raise ValueError(f"no launch table for {algo!r}")
     row = next(r for r in LAUNCH[algo] if nbytes <= r.max_bytes)
     vectors = -(-nbytes // VECTOR_BYTES)
-    if algo == "two_shot":
+    if algo in ("two_shot", "two_shot_push"):
         vectors = -(-vectors // world_size)
     per_step = row.num_warps * 32
     blocks = max(1, min(row.max_blocks, MAX_BLOCKS.value, -(-vectors // per_step)))
@@ -133,16 +175,18 @@ class CustomAllReduce:
     """Symmetric-memory all-reduce (sum) for one process group on one node.
 
     Construction is collective over `group` (buffer allocation and rendezvous, one-node + peer-access
-    check). Calls are CUDA-graph capturable; after a graph or before relying on results in a test, call
-    `check()` to turn a recorded peer timeout into an exception."""
+    check, the push buffer's sentinel fill). Calls are CUDA-graph capturable; after a graph or before
+    relying on results in a test, call `check()` to turn a recorded peer timeout into an exception.
+    `push_max_size=0` leaves the push kernels (and their buffer) out."""
 
     def __init__(
         self,
         group: dist.ProcessGroup | None = None,
         max_size: int = DEFAULT_MAX_SIZE,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        one_shot_max: dict[int, dict[torch.dtype, int]] | None = None,
+        algorithms: AlgorithmTable | None = None,
         tag: str = "all_reduce",
+        push_max_size: int = DEFAULT_PUSH_MAX_SIZE,
     ) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.group_name = self.group.group_name
@@ -151,11 +195,28 @@ class CustomAllReduce:
         self.max_size = max_size
         self.slot_bytes = slot_bytes_for(max_size)
         self.timeout_ns = int(timeout_s * 1e9)
-        self.one_shot_max = one_shot_max
+        self.algorithms = algorithms
+        if push_max_size < 0:
+            raise ValueError(f"push_max_size must be >= 0 (0: no push kernels), got {push_max_size}")
+        self.push_max_size = min(push_max_size, max_size)
         self.buf: SymmBuffer | None = None
+        self.push_buf: SymmBuffer | None = None
+        self.push_layout: PushLayout | None = None
         if self.world_size in SUPPORTED_WORLD_SIZES and torch.cuda.is_available():
             self.buf = get_symm_buffer(self.group, 3 * self.slot_bytes, torch.uint8, tag=tag)
+            if self.push_max_size > 0:
+                self._make_push_buffer(tag + "-push")
         _REGISTRY[self.group_name] = self
+
+    def _make_push_buffer(self, tag: str) -> None:
+        """Allocate the push buffer and fill every word with the sentinel before any rank can push
+        (collective: the fill is done on every rank before the barrier returns anywhere)."""
+        self.push_layout = PushLayout(self.world_size, slot_bytes_for(self.push_max_size))
+        total = self.push_layout.total_bytes
+        self.push_buf = get_symm_buffer(self.group, total, torch.uint8, tag=tag)
+        self.push_buf.tensor[:total].view(torch.int32).fill_(SENTINEL.value)
+        torch.cuda.synchronize()
+        dist.barrier(group=self.group)
 
     # ---------------------------------------------------------------- dispatch
 
@@ -166,7 +227,12 @@ class CustomAllReduce:
         if not x.is_cuda or not x.is_contiguous() or x.data_ptr() % VECTOR_BYTES:
             return "nccl" if self.world_size > 1 else "identity"
         return choose_algorithm(
-            x.numel() * x.element_size(), self.world_size, x.dtype, self.max_size, self.one_shot_max
+            x.numel() * x.element_size(),
+            self.world_size,
+            x.dtype,
+            self.max_size,
+            self.algorithms,
+            self.push_max_size if self.push_buf is not None else 0,
         )
 
     # ---------------------------------------------------------------- direct region
@@ -191,7 +257,7 @@ class CustomAllReduce:
     def all_reduce(
         self, x: torch.Tensor, algo: str = "auto", out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Sum of `x` over the group, in a new tensor (or `out`). algo: auto, one_shot, two_shot, nccl."""
+        """Sum of `x` over the group, in a new tensor (or `out`). algo: auto, nccl, or one of ALGORITHMS."""
         chosen = self.algorithm(x) if algo == "auto" else algo
         if out is None:
             out = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -201,16 +267,34 @@ class CustomAllReduce:
             out.copy_(x)
             dist.all_reduce(out, group=self.group)
             return out
-        if self.buf is None:
-            raise RuntimeError(f"rank {self.rank}: {chosen} needs a symmetric buffer; this group has none")
         num_warps, num_blocks = launch_config(
             chosen, x.numel() * x.element_size(), self.world_size, x.element_size()
         )
+        return self.launch(x, out, chosen, num_warps, num_blocks)
+
+    __call__ = all_reduce
+
+    def launch(
+        self, x: torch.Tensor, out: torch.Tensor, algo: str, num_warps: int, num_blocks: int
+    ) -> torch.Tensor:
+        """One kernel launch with an explicit launch config (the benchmark's sweep uses it)."""
+        if algo not in ALGORITHMS:
+            raise ValueError(f"algo must be one of {ALGORITHMS}, got {algo!r}")
+        if self.buf is None:
+            raise RuntimeError(f"rank {self.rank}: {algo} needs a symmetric buffer; this group has none")
+        if algo in PUSH_ALGORITHMS:
+            if self.push_buf is None or self.push_layout is None:
+                raise RuntimeError(
+                    f"rank {self.rank}: {algo} needs the push buffer: construct with push_max_size > 0"
+                )
+            return launch_push_all_reduce(
+                self.push_buf, self.push_layout, x, out, algo, num_warps, num_blocks, self.timeout_ns
+            )
         return launch_all_reduce(
             self.buf,
             x,
             out,
-            chosen,
+            algo,
             self.slot_bytes,
             self.is_direct(x),
             num_warps,
@@ -218,12 +302,11 @@ class CustomAllReduce:
             self.timeout_ns,
         )
 
-    __call__ = all_reduce
-
     def check(self) -> None:
         """Raise `SymmMemTimeout` (naming rank, op, barrier, missing peer) if a wait timed out."""
-        if self.buf is not None:
-            check_status(self.buf)
+        for buf in (self.buf, self.push_buf):
+            if buf is not None:
+                check_status(buf)
 
 
 def get_custom_all_reduce(group: dist.ProcessGroup | None = None, **kwargs) -> CustomAllReduce:
@@ -238,7 +321,14 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch
     return get_custom_all_reduce(group).all_reduce(x)
 
 
-__all__ = ["CustomAllReduce", "all_reduce", "all_reduce_reference", "choose_algorithm", "launch_config"]
+__all__ = [
+    "ALGORITHMS",
+    "CustomAllReduce",
+    "all_reduce",
+    "all_reduce_reference",
+    "choose_algorithm",
+    "launch_config",
+]
 
 
 @torch.library.custom_op("weft::symm_all_reduce", mutates_args=())

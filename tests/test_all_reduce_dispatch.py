@@ -1,13 +1,16 @@
-"""CPU tests of the all-reduce dispatch: algorithm choice, launch configs, the one-node check, the
-status message, the registered op's fake, and the NCCL/gloo fallback of CustomAllReduce."""
+"""CPU tests of the all-reduce dispatch: algorithm choice (size tables, push kernels' size limit),
+launch configs, the one-node check, the status message, the registered op's fake, and the NCCL/gloo
+fallback of CustomAllReduce."""
 
 import pytest
 import torch
 
 from kernels import symm_mem
 from kernels.custom_all_reduce import (
+    ALGORITHMS,
+    ANY_SIZE,
+    AUTO_ALGORITHMS,
     LAUNCH,
-    ONE_SHOT_MAX_BYTES,
     SUPPORTED_WORLD_SIZES,
     CustomAllReduce,
     choose_algorithm,
@@ -28,14 +31,43 @@ KiB, MiB = 1 << 10, 1 << 20
 BF16 = torch.bfloat16
 
 
-def test_one_shot_up_to_the_threshold_then_two_shot() -> None:
+def test_every_table_row_is_chosen_over_exactly_its_range() -> None:
     for world in SUPPORTED_WORLD_SIZES:
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            limit = ONE_SHOT_MAX_BYTES[world][dtype]
-            big = 2 * limit + 32
-            assert choose_algorithm(16, world, dtype, big) == "one_shot"
-            assert choose_algorithm(limit, world, dtype, big) == "one_shot"
-            assert choose_algorithm(limit + 16, world, dtype, big) == "two_shot"
+            rows = AUTO_ALGORITHMS[world][dtype]
+            assert [b for b, _ in rows] == sorted(b for b, _ in rows) and rows[-1][0] == ANY_SIZE
+            low = 16
+            for max_bytes, algo in rows:
+                assert algo in ALGORITHMS
+                top = min(max_bytes, 1 << 40)
+                for nbytes in (low, top):
+                    assert choose_algorithm(nbytes, world, dtype, 1 << 41, push_max_size=1 << 41) == algo
+                low = top + 16
+
+
+def test_four_algorithms_by_size_and_push_only_up_to_its_limit() -> None:
+    table = {
+        4: {
+            BF16: (
+                (8 * KiB, "one_shot_push"),
+                (64 * KiB, "one_shot"),
+                (MiB, "two_shot_push"),
+                (ANY_SIZE, "two_shot"),
+            )
+        }
+    }
+
+    def pick(nbytes: int, push_max: int = 4 * MiB) -> str:
+        return choose_algorithm(nbytes, 4, BF16, 32 * MiB, table, push_max)
+
+    sizes = (16, 8 * KiB, 8 * KiB + 16, 64 * KiB, 64 * KiB + 16, MiB, MiB + 16)
+    expect = ["one_shot_push"] * 2 + ["one_shot"] * 2 + ["two_shot_push"] * 2 + ["two_shot"]
+    assert [pick(n) for n in sizes] == expect
+    # A push row beyond the push buffer's size falls through to the next row that can take the size.
+    assert pick(4 * KiB, push_max=0) == "one_shot"
+    assert pick(512 * KiB, push_max=256 * KiB) == "two_shot"
+    only_push = {4: {BF16: ((ANY_SIZE, "two_shot_push"),)}}
+    assert choose_algorithm(2 * MiB, 4, BF16, 32 * MiB, only_push, push_max_size=MiB) == "two_shot"
 
 
 def test_nccl_beyond_max_size_and_for_what_the_kernels_do_not_cover() -> None:
@@ -49,13 +81,7 @@ def test_nccl_beyond_max_size_and_for_what_the_kernels_do_not_cover() -> None:
     assert choose_algorithm(4096, 1, BF16, 64 * MiB) == "identity"
 
 
-def test_custom_threshold_table() -> None:
-    table = {4: {BF16: 4 * KiB}}
-    assert choose_algorithm(4 * KiB, 4, BF16, MiB, table) == "one_shot"
-    assert choose_algorithm(8 * KiB, 4, BF16, MiB, table) == "two_shot"
-
-
-@pytest.mark.parametrize("algo", ["one_shot", "two_shot"])
+@pytest.mark.parametrize("algo", ALGORITHMS)
 def test_launch_config_covers_every_size(algo: str) -> None:
     for world in SUPPORTED_WORLD_SIZES:
         for nbytes in [16, 4 * KiB, 4 * KiB + 16, 64 * KiB, MiB, 32 * MiB, 1 << 34]:
@@ -63,7 +89,7 @@ def test_launch_config_covers_every_size(algo: str) -> None:
             assert warps in (1, 2, 4, 8, 16, 32)
             assert 1 <= blocks <= MAX_BLOCKS.value
             vectors = -(-nbytes // 16)
-            if algo == "two_shot":
+            if algo.startswith("two_shot"):
                 vectors = -(-vectors // world)
             assert (blocks - 1) * warps * 32 < vectors, "no program may be left without work"
     assert launch_config(algo, 16, 4, 2)[1] == 1
@@ -72,6 +98,7 @@ def test_launch_config_covers_every_size(algo: str) -> None:
 
 
 def test_launch_tables_are_sorted() -> None:
+    assert set(LAUNCH) == set(ALGORITHMS)
     for rows in LAUNCH.values():
         sizes = [r.max_bytes for r in rows]
         assert sizes == sorted(sizes) and sizes[-1] >= 1 << 40
@@ -117,6 +144,8 @@ def test_status_message_names_rank_op_barrier_and_peer() -> None:
     msg = describe_status([1, op, 0, 3], 1, "tp")
     assert "rank 1" in msg and "all_reduce one-shot" in msg and "barrier 0" in msg
     assert "waiting for rank 3" in msg and "'tp'" in msg
+    push = describe_status([1, symm_mem.op_id("all_reduce two-shot push"), 1, 2], 0, "tp")
+    assert "all_reduce two-shot push" in push and "waiting for rank 2" in push
 
 
 def test_registered_op_has_a_fake() -> None:
@@ -131,7 +160,12 @@ def test_registered_op_has_a_fake() -> None:
 def fallback_on_rank(rank: int, world: int) -> None:
     car = CustomAllReduce()  # no CUDA: no symmetric buffer, everything goes through the stock path
     x = torch.arange(24, dtype=torch.float32) * (rank + 1)
-    assert car.algorithm(x) == "nccl"
+    assert car.algorithm(x) == "nccl" and car.push_buf is None
+    for algo in ALGORITHMS:
+        with pytest.raises(RuntimeError, match=f"{algo} needs a symmetric buffer"):
+            car.all_reduce(x, algo=algo)
+    with pytest.raises(ValueError, match="push_max_size must be >= 0"):
+        CustomAllReduce(push_max_size=-1)
     y = car(x)
     torch.testing.assert_close(y, torch.arange(24, dtype=torch.float32) * sum(range(1, world + 1)))
     z = torch.ops.weft.symm_all_reduce(x, car.group_name)
