@@ -1,0 +1,563 @@
+"""The Ulysses all-to-all over symmetric memory, in Triton, and the stock reference.
+
+    q2, k2, v2 = seq_to_heads([q, k, v], group)   # each [B, H, S/W, D] -> [B, H/W, S, D], one launch
+    [o] = heads_to_seq([o2], group)               # [B, H/W, S, D] -> [B, H, S/W, D]
+
+`seq_to_heads` turns "every head, my S/W positions" into "my H/W heads, all S positions" (rank r gets
+heads [r H/W, (r+1) H/W), positions in rank order); `heads_to_seq` is its inverse. A tensor with fewer
+heads than ranks (grouped-query key/value heads) is replicated by `seq_to_heads`: rank r gets head
+r H/W of the input (`repeat_interleave` semantics) and the kernel reads that source head once per
+destination instead of materialising the repeat. `heads_to_seq` never sums: the gradient of a
+replicated head is summed by the caller (parallel/ulysses.py).
+
+Layouts. Inputs are read through their strides (the model's q is a [B, H, S/W, D] transpose view of a
+[B, S/W, H, D] projection); only the head dim must be contiguous. Outputs are fresh tensors whose
+memory is [B, S, H/W, D] (seq_to_heads) or [B, S/W, H, D] (heads_to_seq), returned as the
+[B, heads, seq, D] transpose views the attention function and the model expect.
+
+Index maps. Both directions are a list of rows on the sending rank: row i = (b, s) over B * S/W, and
+for destination d its segment of HL * D elements (HL heads per rank on the heads side). The segment
+lands contiguously at output row `dest_row(i, src)` of the destination's output viewed as
+[rows, HL * D]:
+    seq_to_heads: source x[b, (d HL + h) // rep, s, :]       -> row (b W + src) S/W + s  of [B S, HL D]
+    heads_to_seq: source x[b, h, d S/W + s, :]               -> row i W + src            of [B S/W W, HL D]
+
+One call (every rank runs the same grid; program p has the same rows on every rank):
+    for each chunk k of program p's rows (blocks p, p + P, p + 2P, ... of `block_rows` rows):
+        push: for each peer d (rank+1, rank+2, ...): load the segments, store them into d's symmetric
+              buffer at their final output offset (remote 16-byte stores over NVLink); then this
+              rank's own segments straight into its output
+        copy-out of chunk k-1: wait for flag (p, src, k-1) of every peer src, copy what src pushed
+              from this rank's buffer to the output (local HBM copy, overlapping the pushes of k)
+        signal: flag (p, rank, k) = epoch + 1 in every peer's buffer (release, system scope)
+    copy-out of the last chunk
+So the layout change costs no pass of its own: the only copy besides the NVLink stores is the
+destination's copy-out, pipelined one chunk behind the pushes.
+
+Buffer: one symmetric allocation per (group, size class): [flags | image 0 | image 1]. An image has
+the layout of the call's outputs; call n uses image n & 1 (the buffer's epoch parity), so no exit
+barrier: a peer writes image n & 1 again in call n + 2, which it starts after its call n + 1 saw this
+rank's flags of call n + 1, i.e. after this rank finished call n (every call waits on every peer).
+Flags (int32, zeroed once) are written with epoch + 1 and only grow; the epoch, status word and
+bounded waits are kernels/symm_mem.py's. The first call of a size class allocates (collective, not
+capturable): make one eager call of each shape, or call `prepare`, before capturing a CUDA graph.
+
+What runs where: the kernel for CUDA tensors of bf16/fp16/fp32 with 16-byte head rows on 2, 4 or 8
+ranks; the reference for other well-formed inputs (`fallback_reason` says why); an error otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from kernels.symm_mem import (
+    DEFAULT_TIMEOUT_S,
+    MAX_BLOCKS,
+    MAX_WORLD,
+    SymmBuffer,
+    advance_epoch,
+    check_status,
+    get_symm_buffer,
+    load_epoch,
+    op_id,
+    wait_flag,
+)
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SUPPORTED_WORLD_SIZES = (2, 4, 8)
+MAX_TENSORS = 3  # q, k, v
+VECTOR_BYTES = 16
+MAX_CHUNKS = tl.constexpr(64)  # chunks per program: flags per (program, source rank)
+FLAG_BYTES = MAX_BLOCKS.value * MAX_WORLD.value * MAX_CHUNKS.value * 4
+IMAGE_ALIGN = 256
+CHUNK_BYTES = 64 << 10  # bytes a program pushes per chunk (all tensors, all destinations), at least
+BUFFER_TAG = "all_to_all"
+SEQ_TO_HEADS_OP = op_id("all_to_all seq_to_heads")
+HEADS_TO_SEQ_OP = op_id("all_to_all heads_to_seq")
+
+
+# ------------------------------------------------------------------------------------------ device
+
+
+@triton.jit
+def source_offsets(
+    i, c, d, seq_local, strides,
+    HEADS: tl.constexpr, REP: tl.constexpr, VPH: tl.constexpr, VEC: tl.constexpr,
+    SEQ_TO_HEADS: tl.constexpr,
+):  # fmt: skip
+    """Element offset in the input of 16-byte vector c of row i's segment bound for rank d."""
+    b = i // seq_local
+    s = i % seq_local
+    h = c // VPH
+    e = (c % VPH) * VEC
+    if SEQ_TO_HEADS:
+        off = b * strides[0] + ((d * HEADS + h) // REP) * strides[1] + s * strides[2] + e
+    else:
+        off = b * strides[0] + h * strides[1] + (d * seq_local + s) * strides[2] + e
+    return tl.multiple_of(off, VEC)
+
+
+@triton.jit
+def dest_offsets(
+    i, c, src, seq_local,
+    HEADS: tl.constexpr, VPH: tl.constexpr, VEC: tl.constexpr, WORLD: tl.constexpr,
+    SEQ_TO_HEADS: tl.constexpr,
+):  # fmt: skip
+    """Element offset in the output (and in the buffer image) of vector c of row i's segment from
+    rank src."""
+    row = (i // seq_local * WORLD + src) * seq_local + i % seq_local if SEQ_TO_HEADS else i * WORLD + src
+    return tl.multiple_of(row * (HEADS * VPH * VEC) + c * VEC, VEC)
+
+
+@triton.jit
+def push_rows(
+    src_ptr, strides, dst_ptr, row0, block_rows, n_rows, seq_local, d,
+    RANK: tl.constexpr, HEADS: tl.constexpr, REP: tl.constexpr, VPH: tl.constexpr, VEC: tl.constexpr,
+    WORLD: tl.constexpr, SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    """Rows [row0, row0 + block_rows) of one tensor, the segments bound for rank d: from the input to
+    their final offsets under `dst_ptr` (d's buffer image, or this rank's output when d == RANK)."""
+    NV: tl.constexpr = HEADS * VPH
+    lanes = tl.arange(0, TILE)
+    cols = tl.arange(0, VEC)
+    for f0 in range(0, block_rows * NV, TILE):
+        f = f0 + lanes
+        i = (row0 + f // NV).to(tl.int64)  # offsets in int64: outputs may exceed 2**31 elements
+        c = f % NV
+        mask = ((f < block_rows * NV) & (i < n_rows))[:, None]
+        src = source_offsets(i, c, d, seq_local, strides, HEADS, REP, VPH, VEC, SEQ_TO_HEADS)
+        dst = dest_offsets(i, c, RANK, seq_local, HEADS, VPH, VEC, WORLD, SEQ_TO_HEADS)
+        v = tl.load(src_ptr + (src[:, None] + cols[None, :]), mask=mask)
+        tl.store(dst_ptr + (dst[:, None] + cols[None, :]), v, mask=mask)
+
+
+@triton.jit
+def copy_out_rows(
+    image_ptr, out_ptr, row0, block_rows, n_rows, seq_local, src_rank,
+    HEADS: tl.constexpr, VPH: tl.constexpr, VEC: tl.constexpr, WORLD: tl.constexpr,
+    SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    """The segments rank src_rank pushed for rows [row0, row0 + block_rows): image -> output, same
+    offsets."""
+    NV: tl.constexpr = HEADS * VPH
+    lanes = tl.arange(0, TILE)
+    cols = tl.arange(0, VEC)
+    for f0 in range(0, block_rows * NV, TILE):
+        f = f0 + lanes
+        i = (row0 + f // NV).to(tl.int64)
+        c = f % NV
+        mask = ((f < block_rows * NV) & (i < n_rows))[:, None]
+        off = dest_offsets(i, c, src_rank, seq_local, HEADS, VPH, VEC, WORLD, SEQ_TO_HEADS)
+        ptrs = off[:, None] + cols[None, :]
+        tl.store(out_ptr + ptrs, tl.load(image_ptr + ptrs, mask=mask), mask=mask)
+
+
+@triton.jit
+def _image_base(buf_ptrs, r, byte_offset, DT: tl.constexpr):
+    """Rank r's buffer base + byte_offset, as a 16-byte aligned pointer to DT."""
+    base = tl.load(buf_ptrs.to(tl.pointer_type(tl.uint64)) + r).to(tl.int64) + byte_offset
+    return tl.multiple_of(base.to(tl.pointer_type(DT)), 16)
+
+
+@triton.jit
+def _flag_index(pid, src, chunk):
+    return (pid * MAX_WORLD + src) * MAX_CHUNKS + chunk
+
+
+@triton.jit
+def _all_to_all_kernel(
+    ins, strides, outs, image_offsets,
+    buf_ptrs, base_offset, image_bytes, epoch_ptr, status_ptr,
+    n_rows, seq_local, block_rows, timeout_ns,
+    HEADS: tl.constexpr, REPS: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+    VPH: tl.constexpr, VEC: tl.constexpr, SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
+    OP: tl.constexpr,
+):  # fmt: skip
+    NT: tl.constexpr = len(ins)
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    epoch = load_epoch(epoch_ptr, pid)
+    DT: tl.constexpr = outs[0].dtype.element_ty
+    image = base_offset + FLAG_BYTES + (epoch & 1).to(tl.int64) * image_bytes
+    n_chunks = tl.cdiv(tl.cdiv(n_rows, block_rows) - pid, nprog)
+    my_flags = (tl.load(buf_ptrs.to(tl.pointer_type(tl.uint64)) + RANK).to(tl.int64) + base_offset).to(
+        tl.pointer_type(tl.int32)
+    )
+    mine = _image_base(buf_ptrs, RANK, image, DT)
+    ranks = tl.arange(0, WORLD)
+    peer_flags = tl.load(buf_ptrs.to(tl.pointer_type(tl.uint64)) + ranks).to(tl.int64) + base_offset
+    peer_flags = peer_flags.to(tl.pointer_type(tl.int32))
+    for k in range(n_chunks + 1):
+        if k < n_chunks:
+            row0 = (k * nprog + pid) * block_rows
+            for j in tl.static_range(1, WORLD):  # rank+1 first: at any moment ranks push to different peers
+                d: tl.constexpr = (RANK + j) % WORLD
+                peer = _image_base(buf_ptrs, d, image, DT)
+                for t in tl.static_range(NT):
+                    push_rows(
+                        ins[t], strides[t], peer + image_offsets[t], row0, block_rows, n_rows, seq_local,
+                        d, RANK, HEADS[t], REPS[t], VPH, VEC, WORLD, SEQ_TO_HEADS, TILE,
+                    )  # fmt: skip
+            for t in tl.static_range(NT):
+                push_rows(
+                    ins[t], strides[t], outs[t], row0, block_rows, n_rows, seq_local,
+                    RANK, RANK, HEADS[t], REPS[t], VPH, VEC, WORLD, SEQ_TO_HEADS, TILE,
+                )  # fmt: skip
+        if k > 0:
+            prev = (k - 1) * nprog + pid
+            for j in tl.static_range(1, WORLD):
+                src: tl.constexpr = (RANK + WORLD - j) % WORLD
+                wait_flag(
+                    my_flags + _flag_index(pid, src, k - 1), epoch + 1, status_ptr, OP, k - 1, src, timeout_ns
+                )
+                for t in tl.static_range(NT):
+                    copy_out_rows(
+                        mine + image_offsets[t], outs[t], prev * block_rows, block_rows, n_rows, seq_local,
+                        src, HEADS[t], VPH, VEC, WORLD, SEQ_TO_HEADS, TILE,
+                    )  # fmt: skip
+        if k < n_chunks:
+            # Every thread's pushes of chunk k are issued before the flags that announce them.
+            tl.debug_barrier()
+            tl.atomic_xchg(
+                peer_flags + _flag_index(pid, RANK, k),
+                tl.full([WORLD], 0, tl.int32) + epoch + 1,
+                mask=ranks != RANK,
+                sem="release",
+                scope="sys",
+            )
+    advance_epoch(epoch_ptr, pid, epoch)
+
+
+# -------------------------------------------------------------------------------------------- host
+
+
+def output_shape(shape: Sequence[int], world: int, seq_to_heads: bool) -> tuple[int, int, int, int]:
+    """[B, heads, seq, D] of the result for an input of `shape`; replicated heads counted as received."""
+    bsz, heads, seq, dim = shape
+    if seq_to_heads:
+        return bsz, max(heads, world) // world, seq * world, dim
+    return bsz, heads * world, seq // world, dim
+
+
+def check_inputs(xs: Sequence[torch.Tensor], world: int, seq_to_heads: bool) -> None:
+    """Raise ValueError (saying what to change) when no path can exchange `xs` over `world` ranks."""
+    name = "seq_to_heads" if seq_to_heads else "heads_to_seq"
+    if not 1 <= len(xs) <= MAX_TENSORS:
+        raise ValueError(f"{name}: takes 1 to {MAX_TENSORS} tensors (q, k, v), got {len(xs)}")
+    first = xs[0]
+    for n, x in enumerate(xs):
+        if x.dim() != 4:
+            raise ValueError(f"{name}: tensor {n} has shape {tuple(x.shape)}; expected [B, heads, seq, D]")
+        if x.dtype != first.dtype or x.device != first.device:
+            raise ValueError(
+                f"{name}: tensor {n} is {x.dtype} on {x.device}, tensor 0 {first.dtype} on {first.device}: "
+                "exchange tensors of one dtype and device together"
+            )
+        if (x.shape[0], x.shape[2], x.shape[3]) != (first.shape[0], first.shape[2], first.shape[3]):
+            raise ValueError(
+                f"{name}: tensor {n} has shape {tuple(x.shape)}, tensor 0 {tuple(first.shape)}: batch, seq "
+                "and head dim must match (only the head counts may differ)"
+            )
+        heads = x.shape[1]
+        if seq_to_heads and heads % world and world % heads:
+            raise ValueError(
+                f"{name}: tensor {n} has {heads} heads, which neither divide nor are divisible by the "
+                f"{world} ranks: choose another parallel.cp"
+            )
+        if not seq_to_heads and x.shape[2] % world:
+            raise ValueError(
+                f"{name}: tensor {n} has sequence length {x.shape[2]}, not divisible by the {world} ranks"
+            )
+
+
+def fallback_reason(xs: Sequence[torch.Tensor], world: int) -> str | None:
+    """Why the kernel cannot run these (well-formed) inputs and the reference must, or None."""
+    x = xs[0]
+    if world not in SUPPORTED_WORLD_SIZES:
+        return f"world size {world} (the kernel serves {SUPPORTED_WORLD_SIZES})"
+    if x.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {x.dtype} (the kernel serves {SUPPORTED_DTYPES})"
+    if x.shape[3] * x.element_size() % VECTOR_BYTES:
+        return f"head dim {x.shape[3]} is not a whole number of 16-byte vectors"
+    return None
+
+
+def readable(x: torch.Tensor) -> bool:
+    """True when the kernel reads `x` in place: 16-byte aligned, contiguous head dim, every other
+    stride a whole number of 16-byte vectors."""
+    vec = VECTOR_BYTES // x.element_size()
+    return x.stride(3) == 1 and all(s % vec == 0 for s in x.stride()[:3]) and x.data_ptr() % VECTOR_BYTES == 0
+
+
+def new_output(shape: Sequence[int], seq_to_heads: bool, like: torch.Tensor) -> torch.Tensor:
+    """A [B, heads, seq, D] tensor whose memory is [B, seq, heads, D] (the layout the kernel writes)."""
+    bsz, heads, seq, dim = shape
+    return torch.empty_strided(
+        (bsz, heads, seq, dim), (seq * heads * dim, dim, heads * dim, 1), dtype=like.dtype, device=like.device
+    )
+
+
+def image_layout(shapes: Sequence[Sequence[int]], itemsize: int) -> tuple[list[int], int]:
+    """Element offsets of each output inside a buffer image, and the image's bytes (256-byte aligned)."""
+    offsets, nbytes = [], 0
+    for shape in shapes:
+        offsets.append(nbytes // itemsize)
+        nbytes += -(-math.prod(shape) * itemsize // IMAGE_ALIGN) * IMAGE_ALIGN
+    return offsets, nbytes
+
+
+def buffer_bytes(image_bytes: int) -> int:
+    """Bytes of the symmetric buffer for images of `image_bytes`: flags + two images."""
+    return FLAG_BYTES + 2 * image_bytes
+
+
+def schedule(n_rows: int, row_bytes: int, max_programs: int) -> tuple[int, int]:
+    """(block_rows, programs): rows per block and the grid. Blocks carry at least CHUNK_BYTES (the
+    pipeline step) and no program gets more than MAX_CHUNKS blocks. Pure: CPU-testable."""
+    if n_rows < 1 or row_bytes < 1 or max_programs < 1:
+        raise ValueError(
+            f"need positive rows, row bytes and programs, got {n_rows}, {row_bytes}, {max_programs}"
+        )
+    block_rows = max(1, min(n_rows, -(-CHUNK_BYTES // row_bytes)))
+    programs = min(max_programs, MAX_BLOCKS.value, -(-n_rows // block_rows))
+    while -(-n_rows // (block_rows * programs)) > MAX_CHUNKS.value:
+        block_rows *= 2
+    programs = min(programs, -(-n_rows // block_rows))
+    return block_rows, programs
+
+
+# (group name, tag, id) -> the buffers whose flags this module has zeroed (weak: kernels/symm_mem.py's
+# cache owns them, and a buffer freed with its group leaves this table too).
+_READY: weakref.WeakValueDictionary[tuple[str, str, int], SymmBuffer] = weakref.WeakValueDictionary()
+_NUM_SMS: dict[int, int] = {}
+
+
+def prepare(group: dist.ProcessGroup, image_bytes: int, tag: str = BUFFER_TAG) -> SymmBuffer:
+    """The symmetric buffer for outputs of up to `image_bytes` bytes, allocated and its flags zeroed on
+    the first use of its size class (collective over `group`, not capturable): make one eager call of
+    each shape, or call this, before capturing a CUDA graph."""
+    nbytes = buffer_bytes(image_bytes)
+    buf = get_symm_buffer(group, nbytes, torch.uint8, tag=tag)
+    key = (group.group_name, tag, id(buf))
+    if key not in _READY:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"all_to_all: no symmetric buffer for {nbytes} bytes yet, and allocating one is collective: "
+                "make one eager call of this shape (or call kernels.all_to_all.prepare) before capturing"
+            )
+        buf.tensor[:FLAG_BYTES].zero_()
+        torch.cuda.synchronize()
+        dist.barrier(group=group)  # every rank's flags zeroed before any peer signals
+        _READY[key] = buf
+    return buf
+
+
+def check(group: dist.ProcessGroup | None = None, tag: str = BUFFER_TAG) -> None:
+    """Raise SymmMemTimeout (naming this rank, the op and the missing peer) if a wait of the all-to-all
+    on `group` gave up; synchronizes the device. Call after a CUDA graph replay or in tests."""
+    name = (group if group is not None else dist.group.WORLD).group_name
+    for (group_name, buf_tag, _), buf in list(_READY.items()):
+        if group_name == name and buf_tag == tag:
+            check_status(buf, "all_to_all")
+
+
+def launch_all_to_all(
+    buf: SymmBuffer,
+    xs: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    seq_to_heads: bool,
+    timeout_ns: int,
+    num_warps: int = 8,
+    tile: int = 1024,
+    max_programs: int | None = None,
+) -> None:
+    """Run the kernel: `outs` (from `new_output`) receive the exchange of `xs` (kernel-`readable`)."""
+    world, rank = buf.world_size, buf.rank
+    x0 = xs[0]
+    bsz, _, seq_in, dim = x0.shape
+    seq_local = seq_in if seq_to_heads else seq_in // world
+    vec = VECTOR_BYTES // x0.element_size()
+    heads = tuple(o.shape[1] if seq_to_heads else x.shape[1] for x, o in zip(xs, outs, strict=True))
+    reps = tuple(
+        o.shape[1] * world // x.shape[1] if seq_to_heads else 1 for x, o in zip(xs, outs, strict=True)
+    )
+    for x in xs:
+        if not readable(x):
+            raise ValueError(
+                f"all_to_all: input of strides {x.stride()} is not readable in place (needs a contiguous, "
+                "16-byte aligned head dim and 16-byte multiple strides): pass x.contiguous()"
+            )
+    for o in outs:
+        if not o.is_cuda or o.data_ptr() % VECTOR_BYTES:
+            raise ValueError("all_to_all: outputs must be 16-byte aligned CUDA tensors from new_output")
+    offsets, image_bytes = image_layout([o.shape for o in outs], x0.element_size())
+    if buffer_bytes(image_bytes) > buf.nbytes:
+        raise ValueError(f"all_to_all: {buffer_bytes(image_bytes)} bytes needed, the buffer has {buf.nbytes}")
+    n_rows = bsz * seq_local
+    if n_rows == 0:
+        return
+    row_bytes = world * dim * x0.element_size() * sum(heads)
+    if max_programs is None:
+        device = x0.device.index if x0.device.index is not None else torch.cuda.current_device()
+        if device not in _NUM_SMS:
+            _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+        max_programs = _NUM_SMS[device]
+    block_rows, programs = schedule(n_rows, row_bytes, max_programs)
+    _all_to_all_kernel[(programs,)](
+        tuple(xs), tuple(tuple(x.stride()[:3]) for x in xs), tuple(outs), tuple(offsets),
+        buf.buffer_ptrs_dev, buf.base_offset, image_bytes, buf.epoch, buf.status,
+        n_rows, seq_local, block_rows, timeout_ns,
+        HEADS=heads, REPS=reps, RANK=rank, WORLD=world, VPH=dim // vec, VEC=vec,
+        SEQ_TO_HEADS=seq_to_heads, TILE=tile, OP=SEQ_TO_HEADS_OP if seq_to_heads else HEADS_TO_SEQ_OP,
+        num_warps=num_warps,
+    )  # fmt: skip
+
+
+def all_to_all_kernel(
+    xs: Sequence[torch.Tensor],
+    group: dist.ProcessGroup,
+    seq_to_heads: bool,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    tag: str = BUFFER_TAG,
+) -> list[torch.Tensor]:
+    """The kernel path (callers check `fallback_reason` first): see the module docstring."""
+    world = dist.get_world_size(group)
+    xs = [x if readable(x) else x.contiguous() for x in xs]
+    outs = [new_output(output_shape(x.shape, world, seq_to_heads), seq_to_heads, x) for x in xs]
+    _, image_bytes = image_layout([o.shape for o in outs], xs[0].element_size())
+    buf = prepare(group, image_bytes, tag)
+    launch_all_to_all(buf, xs, outs, seq_to_heads, int(timeout_s * 1e9))
+    return outs
+
+
+# ---------------------------------------------------------------------------------------- reference
+
+
+def replicate_heads(x: torch.Tensor, world: int) -> torch.Tensor:
+    """x [B, H, ...] with H < world heads repeated (interleaved) to `world`; x itself otherwise."""
+    heads = x.shape[1]
+    return x if heads >= world else x.repeat_interleave(world // heads, dim=1)
+
+
+def _all_to_all_single(send: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return recv
+
+
+def seq_to_heads_reference(
+    xs: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None
+) -> list[torch.Tensor]:
+    """The stock path: permute into a contiguous buffer, `all_to_all_single`, permute back."""
+    world = dist.get_world_size(group)
+    check_inputs(xs, world, seq_to_heads=True)
+    outs = []
+    for x in xs:
+        x = replicate_heads(x, world)
+        bsz, heads, seq_local, dim = x.shape
+        send = x.reshape(bsz, world, heads // world, seq_local, dim).transpose(0, 1).contiguous()
+        recv = _all_to_all_single(send, group)
+        # recv[src] holds rank src's sequence chunk of our heads: chunks in rank order form the sequence.
+        outs.append(recv.permute(1, 2, 0, 3, 4).reshape(bsz, heads // world, world * seq_local, dim))
+    return outs
+
+
+def heads_to_seq_reference(
+    xs: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None
+) -> list[torch.Tensor]:
+    """The inverse stock path: [B, H/W, S, D] -> [B, H, S/W, D] (replicated heads are not summed)."""
+    world = dist.get_world_size(group)
+    check_inputs(xs, world, seq_to_heads=False)
+    outs = []
+    for x in xs:
+        bsz, heads, seq, dim = x.shape
+        send = x.reshape(bsz, heads, world, seq // world, dim).permute(2, 0, 1, 3, 4).contiguous()
+        recv = _all_to_all_single(send, group)
+        # recv[src] holds our sequence chunk of rank src's heads: head groups in rank order.
+        outs.append(recv.transpose(0, 1).reshape(bsz, world * heads, seq // world, dim))
+    return outs
+
+
+# ------------------------------------------------------------------------------ registered op, entry
+
+
+def _resolve_group(group_name: str) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+def _exchange(xs: list[torch.Tensor], group_name: str, seq_to_heads: bool) -> list[torch.Tensor]:
+    group = _resolve_group(group_name)
+    world = dist.get_world_size(group)
+    check_inputs(xs, world, seq_to_heads)
+    if not xs[0].is_cuda:
+        raise ValueError(
+            f"all_to_all (parallel.comm=triton) needs CUDA tensors, got {xs[0].device}: use "
+            "parallel.comm=torch (or seq_to_heads_reference / heads_to_seq_reference) on CPU"
+        )
+    if world == 1:
+        return [x.clone() for x in xs]
+    if fallback_reason(xs, world) is not None:
+        reference = seq_to_heads_reference if seq_to_heads else heads_to_seq_reference
+        return reference(xs, group)
+    return all_to_all_kernel(xs, group, seq_to_heads)
+
+
+def _fake(xs: list[torch.Tensor], group_name: str, seq_to_heads: bool) -> list[torch.Tensor]:
+    world = _resolve_group(group_name).size()
+    return [new_output(output_shape(x.shape, world, seq_to_heads), seq_to_heads, x) for x in xs]
+
+
+@torch.library.custom_op("weft::ulysses_seq_to_heads", mutates_args=())
+def seq_to_heads_op(xs: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
+    """Registered op: `seq_to_heads` over the group `group_name` (kernel, or reference where
+    `fallback_reason` says so)."""
+    return _exchange(xs, group_name, seq_to_heads=True)
+
+
+@seq_to_heads_op.register_fake
+def _(xs: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
+    return _fake(xs, group_name, seq_to_heads=True)
+
+
+@torch.library.custom_op("weft::ulysses_heads_to_seq", mutates_args=())
+def heads_to_seq_op(xs: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
+    """Registered op: `heads_to_seq` over the group `group_name`."""
+    return _exchange(xs, group_name, seq_to_heads=False)
+
+
+@heads_to_seq_op.register_fake
+def _(xs: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
+    return _fake(xs, group_name, seq_to_heads=False)
+
+
+def seq_to_heads(xs: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+    """Each [B, H, S/W, D] -> [B, max(H, W)/W, S, D] over `group` (default: the world), q, k and v in one
+    launch: what parallel/comm.py's triton path calls."""
+    group = group if group is not None else dist.group.WORLD
+    return torch.ops.weft.ulysses_seq_to_heads(list(xs), group.group_name)
+
+
+def heads_to_seq(xs: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
+    """Each [B, H/W, S, D] -> [B, H, S/W, D] over `group` (default: the world), in one launch."""
+    group = group if group is not None else dist.group.WORLD
+    return torch.ops.weft.ulysses_heads_to_seq(list(xs), group.group_name)
+
+
+__all__ = [
+    "check",
+    "check_inputs",
+    "fallback_reason",
+    "heads_to_seq",
+    "heads_to_seq_reference",
+    "prepare",
+    "schedule",
+    "seq_to_heads",
+    "seq_to_heads_reference",
+]

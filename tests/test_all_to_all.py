@@ -1,0 +1,271 @@
+"""The Ulysses all-to-all (kernels/all_to_all.py).
+
+CPU: the kernel's own index code (`push_rows`, `copy_out_rows`) runs under the Triton interpreter in a
+one-process simulation of W ranks (every rank's pushes, then every rank's copy-outs, through a pointer
+table like the symmetric buffer's), against the definition of the exchange on full tensors: both
+directions, q/k/v in one launch, replicated key/value heads, ragged sequence chunks, transpose-view
+inputs, round trips. Plus the schedule, the layout helpers, validation, and the stock reference on gloo.
+
+GPU (2 and 4 ranks, NCCL beside the kernel): kernel == reference exactly for q, k, v shapes with and
+without GQA and ragged chunks, both directions, poisoned outputs; CUDA-graph replays with fresh inputs
+mixed with eager calls; a rank that never enters -> SymmMemTimeout naming it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kernels.all_to_all import (
+    CHUNK_BYTES,
+    MAX_CHUNKS,
+    check_inputs,
+    copy_out_rows,
+    fallback_reason,
+    heads_to_seq_reference,
+    image_layout,
+    new_output,
+    output_shape,
+    push_rows,
+    readable,
+    replicate_heads,
+    schedule,
+    seq_to_heads_reference,
+)
+from tests.multiprocess import run_ranks
+
+# ------------------------------------------------------------------------------- the definition
+
+
+def expected_seq_to_heads(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s result from the full [B, H, S, D] tensor: its heads (after replication), all S."""
+    full = replicate_heads(full, world)
+    local = full.shape[1] // world
+    return full[:, rank * local : (rank + 1) * local]
+
+
+def expected_heads_to_seq(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s result from the full [B, H, S, D] tensor: every head, its S/W positions."""
+    seq_local = full.shape[2] // world
+    return full[:, :, rank * seq_local : (rank + 1) * seq_local]
+
+
+def seq_shard(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank `rank`'s seq_to_heads input as the model hands it over: a [B, H, S/W, D] transpose view of
+    a [B, S/W, H, D] tensor."""
+    return expected_heads_to_seq(full, rank, world).transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def head_shard(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    local = full.shape[1] // world
+    return full[:, rank * local : (rank + 1) * local].contiguous()
+
+
+# ----------------------------------------------------------------- simulated ranks (interpreter)
+
+
+@triton.jit
+def _push_kernel(
+    ins, strides, outs, image_offsets, images, n_rows, seq_local, block_rows,
+    HEADS: tl.constexpr, REPS: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+    VPH: tl.constexpr, VEC: tl.constexpr, SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    NT: tl.constexpr = len(ins)
+    row0 = tl.program_id(0) * block_rows
+    DT: tl.constexpr = outs[0].dtype.element_ty
+    for j in tl.static_range(1, WORLD):
+        d: tl.constexpr = (RANK + j) % WORLD
+        peer = tl.load(images.to(tl.pointer_type(tl.uint64)) + d).to(tl.pointer_type(DT))
+        for t in tl.static_range(NT):
+            push_rows(
+                ins[t], strides[t], peer + image_offsets[t], row0, block_rows, n_rows, seq_local, d,
+                RANK, HEADS[t], REPS[t], VPH, VEC, WORLD, SEQ_TO_HEADS, TILE,
+            )  # fmt: skip
+    for t in tl.static_range(NT):
+        push_rows(
+            ins[t], strides[t], outs[t], row0, block_rows, n_rows, seq_local, RANK,
+            RANK, HEADS[t], REPS[t], VPH, VEC, WORLD, SEQ_TO_HEADS, TILE,
+        )  # fmt: skip
+
+
+@triton.jit
+def _copy_out_kernel(
+    image, image_offsets, outs, n_rows, seq_local, block_rows,
+    HEADS: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, VPH: tl.constexpr, VEC: tl.constexpr,
+    SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    NT: tl.constexpr = len(outs)
+    row0 = tl.program_id(0) * block_rows
+    for j in tl.static_range(1, WORLD):
+        src: tl.constexpr = (RANK + WORLD - j) % WORLD
+        for t in tl.static_range(NT):
+            copy_out_rows(
+                image + image_offsets[t], outs[t], row0, block_rows, n_rows, seq_local, src,
+                HEADS[t], VPH, VEC, WORLD, SEQ_TO_HEADS, TILE,
+            )  # fmt: skip
+
+
+def simulate(
+    per_rank: list[list[torch.Tensor]], seq_to_heads: bool, block_rows: int, tile: int = 64
+) -> list[list[torch.Tensor]]:
+    """Every rank's pushes, then every rank's copy-outs, with CPU tensors as the ranks' buffer images
+    (poisoned) and outputs (poisoned): the results per rank."""
+    world = len(per_rank)
+    x0 = per_rank[0][0]
+    vec = 16 // x0.element_size()
+    bsz, _, seq_in, dim = x0.shape
+    seq_local = seq_in if seq_to_heads else seq_in // world
+    n_rows = bsz * seq_local
+    outs = [
+        [
+            new_output(output_shape(x.shape, world, seq_to_heads), seq_to_heads, x).fill_(float("nan"))
+            for x in xs
+        ]
+        for xs in per_rank
+    ]
+    offsets, image_bytes = image_layout([o.shape for o in outs[0]], x0.element_size())
+    images = [
+        torch.full((image_bytes // x0.element_size(),), float("nan"), dtype=x0.dtype) for _ in range(world)
+    ]
+    table = torch.tensor([im.data_ptr() for im in images], dtype=torch.int64)
+    heads = tuple(
+        o.shape[1] if seq_to_heads else x.shape[1] for x, o in zip(per_rank[0], outs[0], strict=True)
+    )
+    reps = tuple(
+        o.shape[1] * world // x.shape[1] if seq_to_heads else 1
+        for x, o in zip(per_rank[0], outs[0], strict=True)
+    )
+    grid = (triton.cdiv(n_rows, block_rows),)
+    common = dict(VPH=dim // vec, VEC=vec, WORLD=world, SEQ_TO_HEADS=seq_to_heads, TILE=tile)
+    for rank, xs in enumerate(per_rank):
+        assert all(readable(x) for x in xs)
+        _push_kernel[grid](
+            tuple(xs), tuple(tuple(x.stride()[:3]) for x in xs), tuple(outs[rank]), tuple(offsets),
+            table.data_ptr(), n_rows, seq_local, block_rows, HEADS=heads, REPS=reps, RANK=rank, **common,
+        )  # fmt: skip
+    for rank in range(world):
+        _copy_out_kernel[grid](
+            images[rank], tuple(offsets), tuple(outs[rank]), n_rows, seq_local, block_rows,
+            HEADS=heads, RANK=rank, **common,
+        )  # fmt: skip
+    return outs
+
+
+# (world, batch, seq per rank, head dim, dtype, heads of q, k, v)
+CASES = [
+    (2, 1, 4, 16, torch.float32, (4, 2, 2)),
+    (4, 2, 5, 16, torch.float32, (8, 2, 2)),  # ragged chunk, GQA with kv heads replicated
+    (4, 1, 3, 8, torch.float32, (4, 4, 4)),
+    (4, 2, 3, 16, torch.bfloat16, (8, 1, 1)),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_index_maps_match_the_definition(case) -> None:
+    world, bsz, seq_local, dim, dtype, heads = case
+    seq = world * seq_local
+    fulls = [torch.randn(bsz, h, seq, dim).to(dtype) for h in heads]
+    block_rows = 2  # several blocks per rank, the last one short when seq_local is odd
+    # sequence -> heads, q, k, v in one launch; inputs are transpose views
+    outs = simulate([[seq_shard(f, r, world) for f in fulls] for r in range(world)], True, block_rows)
+    for rank in range(world):
+        for full, out in zip(fulls, outs[rank], strict=True):
+            assert torch.equal(out, expected_seq_to_heads(full, rank, world)), f"seq_to_heads rank {rank}"
+    # heads -> sequence on the same shapes' transposed role, then the round trip
+    head_fulls = [replicate_heads(f, world) for f in fulls]
+    back = simulate([[head_shard(f, r, world) for f in head_fulls] for r in range(world)], False, block_rows)
+    for rank in range(world):
+        for full, out in zip(head_fulls, back[rank], strict=True):
+            assert torch.equal(out, expected_heads_to_seq(full, rank, world)), f"heads_to_seq rank {rank}"
+    trip = simulate(outs, False, 3)
+    for rank in range(world):
+        for full, out in zip(fulls, trip[rank], strict=True):
+            want = expected_heads_to_seq(replicate_heads(full, world), rank, world)
+            assert torch.equal(out, want), f"round trip rank {rank}"
+
+
+def test_heads_to_seq_reads_strided_inputs() -> None:
+    """Attention outputs and gradients come in any layout with a contiguous head dim."""
+    world, bsz, seq_local, heads, dim = 2, 2, 3, 4, 8
+    full = torch.randn(bsz, heads, world * seq_local, dim)
+    ins = [head_shard(full, r, world).transpose(1, 2).contiguous().transpose(1, 2) for r in range(world)]
+    outs = simulate([[x] for x in ins], False, 4)
+    for rank in range(world):
+        assert torch.equal(outs[rank][0], expected_heads_to_seq(full, rank, world))
+
+
+# ------------------------------------------------------------------------------ host-side helpers
+
+
+@pytest.mark.parametrize("n_rows", [1, 7, 1000 + 8, 8192, 32768, 1 << 20])
+@pytest.mark.parametrize("row_bytes", [64, 12288, 8192 * 4])
+def test_schedule_covers_rows_within_the_flags(n_rows: int, row_bytes: int) -> None:
+    block_rows, programs = schedule(n_rows, row_bytes, 132)
+    n_blocks = -(-n_rows // block_rows)
+    assert 1 <= programs <= min(128, n_blocks), "every program has a block; at most 128 programs"
+    assert -(-n_blocks // programs) <= MAX_CHUNKS.value, "chunks per program fit the flags"
+    assert block_rows * row_bytes >= min(CHUNK_BYTES, n_rows * row_bytes), "blocks carry a pipeline step"
+
+
+def test_issue_shapes_use_every_program() -> None:
+    # B=1, S=32768, W=4, q+k+v (32 + 8 + 8 heads of 128 bf16): 8192 rows of 12 KiB per rank
+    block_rows, programs = schedule(8192, 4 * 48 * 128 * 2, 132)
+    assert programs == 128 and block_rows * programs * 4 <= 8192 * 4
+
+
+def test_layout_helpers() -> None:
+    assert output_shape((2, 8, 5, 16), 4, True) == (2, 2, 20, 16)
+    assert output_shape((2, 2, 5, 16), 4, True) == (2, 1, 20, 16)  # replicated kv head
+    assert output_shape((2, 2, 20, 16), 4, False) == (2, 8, 5, 16)
+    out = new_output((2, 3, 5, 16), True, torch.empty(0))
+    assert out.transpose(1, 2).is_contiguous()
+    offsets, nbytes = image_layout([(1, 2, 3, 8), (1, 1, 3, 8)], 2)
+    assert offsets == [0, 128] and nbytes == 512  # 96 and 48 bytes, each rounded to 256
+    assert readable(torch.empty(2, 5, 4, 16).transpose(1, 2))
+    assert readable(torch.empty(2, 4, 5, 16)[..., :8])  # fp32 rows 64 bytes apart
+    assert not readable(torch.empty(2, 4, 5, 6)[..., :4])  # rows 24 bytes apart
+    assert not readable(torch.empty(2, 4, 5, 16).transpose(2, 3))  # head dim not contiguous
+
+
+def test_validation_says_what_to_change() -> None:
+    q = torch.empty(1, 8, 4, 16)
+    with pytest.raises(ValueError, match="1 to 3 tensors"):
+        check_inputs([q] * 4, 4, True)
+    with pytest.raises(ValueError, match=r"expected \[B, heads, seq, D\]"):
+        check_inputs([q[0]], 4, True)
+    with pytest.raises(ValueError, match="one dtype and device"):
+        check_inputs([q, q.double()], 4, True)
+    with pytest.raises(ValueError, match="batch, seq and head dim must match"):
+        check_inputs([q, torch.empty(1, 8, 5, 16)], 4, True)
+    with pytest.raises(ValueError, match="6 heads, which neither divide nor are divisible"):
+        check_inputs([torch.empty(1, 6, 4, 16)], 4, True)
+    with pytest.raises(ValueError, match="sequence length 6, not divisible by the 4 ranks"):
+        check_inputs([torch.empty(1, 2, 6, 16)], 4, False)
+    check_inputs([q, torch.empty(1, 2, 4, 16)], 4, True)
+    assert fallback_reason([q], 4) is None
+    assert "world size 3" in fallback_reason([q], 3)
+    assert "dtype torch.float64" in fallback_reason([q.double()], 4)
+    assert "head dim 4" in fallback_reason([torch.empty(1, 8, 4, 4, dtype=torch.bfloat16)], 4)
+
+
+# ------------------------------------------------------------------------------ reference on gloo
+
+
+def reference_on_rank(rank: int, world: int) -> None:
+    torch.manual_seed(5)  # the same full tensors on every rank
+    fulls = [torch.randn(2, h, world * 3, 8) for h in (8, 2, 2)]
+    outs = seq_to_heads_reference([seq_shard(f, rank, world) for f in fulls])
+    for full, out in zip(fulls, outs, strict=True):
+        assert torch.equal(out, expected_seq_to_heads(full, rank, world))
+    back = heads_to_seq_reference(outs)
+    for full, out in zip(fulls, back, strict=True):
+        assert torch.equal(out, expected_heads_to_seq(replicate_heads(full, world), rank, world))
+
+
+def test_reference_on_gloo() -> None:
+    run_ranks(reference_on_rank, 4)
+
+
+# -------------------------------------------------------------------------------------------- GPU
