@@ -1,13 +1,15 @@
-"""Decode all-reduce latency: weft's one-shot / two-shot / auto against NCCL and PyTorch's own
-symmetric-memory ops, each timed as replays of a CUDA graph of many back-to-back calls.
+"""Decode all-reduce latency: weft's one-shot / two-shot, their push variants and auto against NCCL
+and PyTorch's own symmetric-memory ops, each timed as replays of a CUDA graph of many back-to-back
+calls.
 
-    torchrun --nproc_per_node=4 benchmarks/bench_all_reduce.py [--sweep] [--dtype bf16]
+    torchrun --nproc_per_node=4 -m benchmarks.bench_all_reduce [--sweep] [--dtype bf16]
 
 Every rank times every implementation; the figure reported is the slowest rank's median (a
 collective is as slow as its slowest member). Rank 0 writes benchmarks/results/all_reduce-<device>.md
 and .json and a latency-vs-size plot (.png). `--sweep` also times every (num_warps, programs) launch
-of both kernels and writes all_reduce_sweep-<device>.*: the source of the launch and one-shot /
-two-shot tables in kernels/custom_all_reduce.py.
+of the four kernels and writes all_reduce_sweep-<device>.*: the source of the launch tables and of the
+size ranges of AUTO_ALGORITHMS in kernels/custom_all_reduce.py (its best row per size and algorithm
+is printed as it goes).
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS_DIR, device_name, time_graph, write_results
-from kernels.all_reduce import launch_all_reduce
-from kernels.custom_all_reduce import CustomAllReduce, launch_config
+from kernels.custom_all_reduce import ALGORITHMS, CustomAllReduce, launch_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KiB, MiB = 1 << 10, 1 << 20
@@ -55,9 +56,18 @@ def main() -> None:
     p.add_argument("--max-size", type=int, default=32 * MiB)
     p.add_argument("--calls", type=int, default=50, help="all-reduces captured back to back per graph")
     p.add_argument("--replays", type=int, default=20)
-    p.add_argument("--sweep", action="store_true", help="also time every launch config of both kernels")
+    p.add_argument("--sweep", action="store_true", help="also time every launch config of the four kernels")
+    p.add_argument(
+        "--sweep-algos",
+        default=",".join(ALGORITHMS),
+        help="comma-separated kernels the sweep times (default: all four)",
+    )
     p.add_argument("--tag", default="", help="suffix for the result names")
     args = p.parse_args()
+    sweep_algos = [a for a in args.sweep_algos.split(",") if a]
+    unknown = set(sweep_algos) - set(ALGORITHMS)
+    if unknown:
+        p.error(f"--sweep-algos: unknown {sorted(unknown)}; choose from {ALGORITHMS}")
 
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
@@ -68,7 +78,7 @@ def main() -> None:
     group = dist.group.WORLD
     dtype = DTYPES[args.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
-    car = CustomAllReduce(group, max_size=args.max_size)
+    car = CustomAllReduce(group, max_size=args.max_size, push_max_size=args.max_size)
     torch_buf = symm.empty(args.max_size // itemsize, dtype=dtype, device="cuda")
     symm.rendezvous(torch_buf, group.group_name)
 
@@ -94,6 +104,8 @@ def main() -> None:
             "auto": partial(car.all_reduce, x, out=out),
             "one_shot": partial(car.all_reduce, x, "one_shot", out=out),
             "two_shot": partial(car.all_reduce, x, "two_shot", out=out),
+            "one_shot_push": partial(car.all_reduce, x, "one_shot_push", out=out),
+            "two_shot_push": partial(car.all_reduce, x, "two_shot_push", out=out),
             "one_shot_direct": partial(car.all_reduce, direct, "one_shot", out=out),
             "two_shot_direct": partial(car.all_reduce, direct, "two_shot", out=out),
             "nccl": partial(dist.all_reduce, nccl_x),
@@ -118,11 +130,14 @@ def main() -> None:
                 "auto algo": car.algorithm(x),
                 "one-shot us": us["one_shot"],
                 "two-shot us": us["two_shot"],
+                "one-shot push us": us["one_shot_push"],
+                "two-shot push us": us["two_shot_push"],
                 "one-shot direct us": us["one_shot_direct"],
                 "two-shot direct us": us["two_shot_direct"],
                 "NCCL us": us["nccl"],
                 "torch one-shot us": us["torch_one_shot"],
                 "torch two-shot us": us["torch_two_shot"],
+                "best ours / best torch": min(us[a] for a in ALGORITHMS) / best_torch,
                 "auto / best torch": us["auto"] / best_torch,
                 "auto / NCCL": us["auto"] / us["nccl"],
             }
@@ -131,21 +146,18 @@ def main() -> None:
             print(rows[-1], flush=True)
 
         if args.sweep:
-            for algo in ("one_shot", "two_shot"):
+            for algo in sweep_algos:
                 best = None
                 for warps in (4, 8, 16):
                     vectors = -(-nbytes // 16)
-                    if algo == "two_shot":
+                    if algo.startswith("two_shot"):
                         vectors = -(-vectors // world)
                     need = -(-vectors // (warps * 32))
                     for blocks_ in sorted({min(b, need) for b in (1, 2, 4, 8, 16, 32, 64, 128)}):
                         if need / blocks_ > 64:
                             continue
 
-                        fn = partial(
-                            launch_all_reduce,
-                            *(car.buf, x, out, algo, car.slot_bytes, False, warps, blocks_, car.timeout_ns),
-                        )
+                        fn = partial(car.launch, x, out, algo, warps, blocks_)
                         t = timed(fn, 20, 10)
                         sweep_rows.append(
                             {
@@ -169,15 +181,18 @@ def main() -> None:
             f"{args.dtype}, sum over {world} GPUs; microseconds per all-reduce, the slowest rank's median "
             f"of {args.replays} replays of a CUDA graph of {args.calls} back-to-back calls. "
             "ours: weft's Triton kernels (copy-in: the kernel copies the caller's tensor into symmetric "
-            "memory; direct: the input already lives there). NCCL: dist.all_reduce in the same graph "
+            "memory; direct: the input already lives there; push: remote stores whose data is its own "
+            "flag, no barrier). NCCL: dist.all_reduce in the same graph "
             "conditions. torch: torch.ops.symm_mem.one_shot_all_reduce / two_shot_all_reduce_ on a "
             "symmetric input. Command: torchrun --nproc_per_node="
-            f"{world} benchmarks/bench_all_reduce.py{' --sweep' if args.sweep else ''}"
+            f"{world} -m benchmarks.bench_all_reduce{' --sweep' if args.sweep else ''}"
         )
         name = "all_reduce" + args.tag
         write_results(name, rows, notes)
         if sweep_rows:
-            write_results(name + "_sweep", sweep_rows, "launch sweep of the copy-in kernels; " + notes)
+            write_results(
+                name + "_sweep", sweep_rows, "launch sweep of the kernels (copy-in inputs); " + notes
+            )
         plot(rows, sizes, RESULTS_DIR / f"{name}-{tag}.png", f"all-reduce {args.dtype}, {tag}")
     dist.barrier()
     dist.destroy_process_group()
@@ -194,6 +209,8 @@ def plot(rows: list[dict], sizes: list[int], path: Path, title: str) -> None:
         ("auto us", "o-"),
         ("one-shot us", "^--"),
         ("two-shot us", "v--"),
+        ("one-shot push us", "^-"),
+        ("two-shot push us", "v-"),
         ("NCCL us", "s-"),
         ("torch one-shot us", "x:"),
         ("torch two-shot us", "+:"),

@@ -1,19 +1,25 @@
 """Symmetric-memory all-reduce on 2 and 4 GPUs (one process per GPU, NCCL beside it):
 
 * equal to the exact fp32 sum within one rounding, to NCCL's sum within bf16/fp16 rounding, and
-  bit-identical on every rank; bf16, fp16, fp32; ragged sizes; one-shot and two-shot; copy-in and
+  bit-identical on every rank; bf16, fp16, fp32; ragged sizes; one-shot, two-shot and their push
+  variants; inputs holding -0.0 and exact zeros (the push kernels' sentinel is -0.0); copy-in and
   direct (producer writes the symmetric buffer) inputs; outputs poisoned with NaN before each call;
-* inside a CUDA graph of many calls (an odd number, so epochs shift between replays) replayed many
-  times with fresh inputs, interleaved with eager calls;
+  after the calls every word of the push buffer holds the sentinel again;
+* inside a CUDA graph of many calls (an odd number, and a number of push calls that is not a multiple
+  of their 3 slot sets, so epochs shift between replays) replayed many times with fresh inputs,
+  interleaved with eager calls;
 * a rank that never enters: the others raise SymmMemTimeout naming it, instead of hanging.
+
+    pytest -q tests/test_all_reduce_gpu.py          # world 2 and 4 (each skipped without its GPUs)
 """
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from kernels.custom_all_reduce import CustomAllReduce
-from kernels.symm_mem import SymmMemTimeout
+from kernels.all_reduce import SENTINEL
+from kernels.custom_all_reduce import ALGORITHMS, CustomAllReduce
+from kernels.symm_mem import SymmMemTimeout, check_status
 from tests.multiprocess import run_ranks
 
 TOL = {  # (rtol, atol) against NCCL, which rounds to the dtype after every partial sum
@@ -51,14 +57,32 @@ def check_result(y: torch.Tensor, x: torch.Tensor, what: str, one_rounding: bool
         assert torch.equal(raw, other), f"{what}: rank {dist.get_rank()} differs from rank {r}"
 
 
+def check_push_buffer_reset(car: CustomAllReduce, what: str) -> None:
+    """Every word of the push buffer is the sentinel again once all ranks are idle."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    assert car.push_buf is not None and car.push_layout is not None
+    words = car.push_buf.tensor[: car.push_layout.total_bytes].view(torch.int32)
+    stale = (words != SENTINEL.value).nonzero()
+    assert stale.numel() == 0, f"{what}: {stale.numel()} push-buffer words not reset, first at {stale[:4]}"
+
+
+def with_zeros(x: torch.Tensor, rank: int) -> torch.Tensor:
+    """-0.0 and +0.0 scattered differently on every rank, plus positions that are -0.0 on every rank."""
+    x[rank % 5 :: 5] = -0.0
+    x[(rank + 2) % 7 :: 7] = 0.0
+    x[3::11] = -0.0
+    return x
+
+
 def correctness(car: CustomAllReduce, rank: int) -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for numel in SIZES:
-            for algo in ("one_shot", "two_shot", "auto"):
+            for algo in (*ALGORITHMS, "auto"):
                 for direct in (False, True):
                     torch.manual_seed(numel * 31 + rank)  # different data on every rank
-                    x = torch.randn(numel, dtype=dtype, device=dev)
+                    x = with_zeros(torch.randn(numel, dtype=dtype, device=dev), rank)
                     inp = x
                     if direct:
                         inp = car.input_buffer((numel,), dtype)
@@ -71,6 +95,7 @@ def correctness(car: CustomAllReduce, rank: int) -> None:
                     check_result(y, x, f"{dtype} n={numel} {algo} direct={direct}")
                     if direct:
                         assert torch.equal(inp, x), "the direct region must not be written"
+    check_push_buffer_reset(car, "after the correctness calls")
     # 2-D input, the registered op, and a matmul writing its partial sums straight into the buffer
     torch.manual_seed(7 + rank)
     a = torch.randn(16, 256, dtype=torch.bfloat16, device=dev)
@@ -92,14 +117,18 @@ def correctness(car: CustomAllReduce, rank: int) -> None:
 
 def graphs(car: CustomAllReduce, rank: int) -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
-    cases = [  # (numel, algo, direct), 7 calls per replay: epochs shift parity between replays
+    cases = [  # (numel, algo, direct): 11 calls per replay, 4 of them push (not a multiple of 3)
         (8 * 129, "one_shot", False),
+        (8 * 131, "one_shot_push", False),
         (4096, "two_shot", False),
         (65536 + 8 * 3, "auto", False),
+        (8 * 3001, "two_shot_push", False),
         (8 * 1001, "one_shot", True),
         (262144, "auto", False),
         (8 * 777, "two_shot", True),
+        (8 * 5, "two_shot_push", True),
         (4096, "one_shot", False),
+        (131072 + 8 * 7, "one_shot_push", False),
     ]
     xs = [torch.zeros(n, dtype=torch.bfloat16, device=dev) for n, _, _ in cases]
     outs = [torch.zeros_like(x) for x in xs]
@@ -130,6 +159,8 @@ def graphs(car: CustomAllReduce, rank: int) -> None:
         if replay % 3 == 0:  # eager calls between replays move the epochs by an odd count
             e = torch.randn(8 * 5, dtype=torch.bfloat16, device=dev)
             check_result(car(e), e, f"eager between replays {replay}")
+            algo = ("one_shot_push", "two_shot_push")[replay % 2]
+            check_result(car.all_reduce(e, algo), e, f"eager {algo} between replays {replay}")
         torch.cuda.synchronize()
         car.check()
         if replay % 4 == 0 or replay == 39:
@@ -142,6 +173,7 @@ def graphs(car: CustomAllReduce, rank: int) -> None:
     car.check()
     for (n, algo, direct), x, out in zip(cases, xs, outs, strict=True):
         check_result(out, x, f"after 200 replays n={n} {algo} direct={direct}")
+    check_push_buffer_reset(car, "after the graph replays")
 
 
 def timeout(rank: int, world: int) -> None:
@@ -150,11 +182,14 @@ def timeout(rank: int, world: int) -> None:
     absent = world - 1
     if rank != absent:
         x = torch.randn(4096, dtype=torch.bfloat16, device=dev)
-        for algo in ("one_shot", "two_shot"):
+        for algo in ALGORITHMS:
             car.all_reduce(x, algo=algo)
         torch.cuda.synchronize()
         with pytest.raises(SymmMemTimeout, match=rf"rank {rank}: .* waiting for rank {absent}"):
             car.check()
+        # the push kernels record on their own buffer; the first of them to give up names the op
+        with pytest.raises(SymmMemTimeout, match=rf"rank {rank}: all_reduce one-shot push .* rank {absent}"):
+            check_status(car.push_buf)
     torch.cuda.synchronize()
     dist.barrier()
 
