@@ -13,7 +13,8 @@ Every op works on one process group (a tensor- or context-parallel group). Matri
     all_gather_matmul(a_shard, [b0, b1, ...], dim) -> (a, [a @ b0, a @ b1, ...]), a = all_gather(a_shard, dim)
     matmul_reduce_scatter(a, b, dim)              -> reduce_scatter(a @ b, dim)  (sum)
     all_reduce(x)                                 -> sum over the group (a new tensor)
-    all_to_all(x)                                 -> x [W * n, ...]: chunk i of dim 0 goes to rank i
+    seq_to_heads([q, k, v])                       -> each [B, H, S/W, D] -> [B, max(H, W)/W, S, D] (Ulysses)
+    heads_to_seq([x, ...])                        -> each [B, H/W, S, D] -> [B, H, S/W, D]
     all_gather(x, dim), reduce_scatter(x, dim)    -> the plain collectives (no matmul)
 
 The plain all-gather / reduce-scatter are the stock collectives on every path: the model's layers only
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 COMM_PATHS = ("torch", "symm_mem", "triton")
-OPS = ("all_gather_matmul", "matmul_reduce_scatter", "all_reduce", "all_to_all")
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "all_reduce", "seq_to_heads", "heads_to_seq")
 
 # torch >= 2.13 renames the tensor collectives; the old names still work on 2.11 (the GPU hosts).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -118,10 +119,17 @@ class Comm:
             dist.all_reduce(out, group=self.group)
         return out
 
-    def all_to_all(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x.contiguous(), group=self.group)
-        return out
+    def seq_to_heads(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        # The stock path (permute, all_to_all_single, permute) lives beside the kernel it is measured
+        # against; imported here so the torch path does not load Triton until Ulysses runs.
+        from kernels.all_to_all import seq_to_heads_reference
+
+        return seq_to_heads_reference(xs, self.group)
+
+    def heads_to_seq(self, xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        from kernels.all_to_all import heads_to_seq_reference
+
+        return heads_to_seq_reference(xs, self.group)
 
 
 class TorchComm(Comm):
@@ -188,8 +196,8 @@ def _check_cuda_peers(group: dist.ProcessGroup, path: str) -> None:
 
 
 class SymmMemComm(Comm):
-    """PyTorch's fused symmetric-memory ops. The all-to-all has no fused op in PyTorch and stays on
-    `all_to_all_single` (NCCL); the plain all-gather / reduce-scatter likewise."""
+    """PyTorch's fused symmetric-memory ops. The Ulysses all-to-all has no fused op in PyTorch and stays
+    on the stock path (`all_to_all_single` on NCCL); the plain all-gather / reduce-scatter likewise."""
 
     name = "symm_mem"
     # Up to this many bytes the one-shot all-reduce (every rank reads all peers) is faster than the
@@ -260,7 +268,8 @@ TRITON_KERNELS: dict[str, tuple[str, str]] = {
     "all_reduce": ("kernels.custom_all_reduce", "all_reduce"),
     "all_gather_matmul": ("kernels.ag_matmul", "all_gather_matmul"),
     "matmul_reduce_scatter": ("kernels.matmul_rs", "matmul_reduce_scatter"),
-    "all_to_all": ("kernels.all_to_all", "all_to_all"),
+    "seq_to_heads": ("kernels.all_to_all", "seq_to_heads"),
+    "heads_to_seq": ("kernels.all_to_all", "heads_to_seq"),
 }
 
 
@@ -313,8 +322,11 @@ class TritonComm(Comm):
     def all_reduce(self, x):
         return self._kernel("all_reduce")(x, group=self.group)
 
-    def all_to_all(self, x):
-        return self._kernel("all_to_all")(x, group=self.group)
+    def seq_to_heads(self, xs):
+        return self._kernel("seq_to_heads")(list(xs), group=self.group)
+
+    def heads_to_seq(self, xs):
+        return self._kernel("heads_to_seq")(list(xs), group=self.group)
 
 
 _PATHS: dict[str, type[Comm]] = {"torch": TorchComm, "symm_mem": SymmMemComm, "triton": TritonComm}

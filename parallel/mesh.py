@@ -118,13 +118,13 @@ def validate_device(dims: ParallelDims, device: torch.device) -> None:
 def validate_comm_ops(dims: ParallelDims, training: bool) -> None:
     """The comm path must implement every op the layout calls (triton: its kernels must exist):
     training with tp > 1 calls AG-matmul and matmul-RS, decode with tp > 1 the all-reduce, Ulysses
-    (cp > 1) the all-to-all."""
+    (cp > 1) the all-to-alls seq_to_heads and heads_to_seq."""
     from parallel.comm import check_ops
 
     if dims.tp > 1:
         check_ops(dims.comm, ["all_gather_matmul", "matmul_reduce_scatter"] if training else ["all_reduce"])
     if dims.cp > 1 and training:
-        check_ops(dims.comm, ["all_to_all"])
+        check_ops(dims.comm, ["seq_to_heads", "heads_to_seq"])
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:

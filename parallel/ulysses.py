@@ -5,15 +5,19 @@ that into all S positions for H/W heads, [B, H/W, S, D]; any attention function 
 (every head sees the whole sequence); the inverse all-to-all brings the output back to
 [B, H, S/W, D]. The backward of each all-to-all is the other one.
 
-With grouped-query attention and fewer key/value heads than ranks, each key/value head is repeated so
-that every rank receives the one head its query heads read.
+With grouped-query attention and fewer key/value heads than ranks, each key/value head is replicated
+by the exchange itself (`seq_to_heads` gives every rank the one head its query heads read), so the
+gradient of such a head is the sum over its replicas.
 
-The exchange is permute into a contiguous buffer, all-to-all, permute back. The all-to-all is the stock
-`all_to_all_single` (gloo and NCCL alike) unless a comm path (parallel/comm.py, `parallel.comm`) is
-given, whose `all_to_all` then runs it.
+The exchanges are the comm path's `seq_to_heads` / `heads_to_seq` (parallel/comm.py, `parallel.comm`:
+the stock permute + `all_to_all_single` + permute, or weft's kernel in kernels/all_to_all.py that
+writes every tile straight to its final place); q, k and v travel in one call. Without a comm path
+the stock exchange runs (gloo and NCCL alike).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,55 +25,61 @@ import torch.distributed as dist
 from model.llama import AttentionFn
 from parallel.comm import Comm
 
+# The comm ops Ulysses calls (for Comm.require / check_ops).
+ULYSSES_OPS = ("seq_to_heads", "heads_to_seq")
 
-def _all_to_all(send: torch.Tensor, group: dist.ProcessGroup, comm: Comm | None) -> torch.Tensor:
+
+def seq_to_heads(
+    xs: Sequence[torch.Tensor], group: dist.ProcessGroup, comm: Comm | None = None
+) -> list[torch.Tensor]:
+    """Each [B, H, S/W, D] -> [B, max(H, W)/W, S, D]: rank r gets heads [r*H/W, (r+1)*H/W)."""
     if comm is not None:
-        return comm.all_to_all(send)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv
+        return comm.seq_to_heads(xs)
+    from kernels.all_to_all import seq_to_heads_reference
+
+    return seq_to_heads_reference(xs, group)
 
 
-def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, comm: Comm | None = None) -> torch.Tensor:
-    """[B, H, S/W, D] on each rank -> [B, H/W, S, D]: rank r gets heads [r*H/W, (r+1)*H/W)."""
-    world = dist.get_world_size(group)
-    bsz, heads, seq_local, dim = x.shape
-    send = x.reshape(bsz, world, heads // world, seq_local, dim).transpose(0, 1).contiguous()
-    recv = _all_to_all(send, group, comm)
-    # recv[src] holds rank src's sequence chunk of our heads: chunks in rank order form the sequence.
-    return recv.permute(1, 2, 0, 3, 4).reshape(bsz, heads // world, world * seq_local, dim)
+def heads_to_seq(
+    xs: Sequence[torch.Tensor], group: dist.ProcessGroup, comm: Comm | None = None
+) -> list[torch.Tensor]:
+    """The inverse: each [B, H/W, S, D] -> [B, H, S/W, D]."""
+    if comm is not None:
+        return comm.heads_to_seq(xs)
+    from kernels.all_to_all import heads_to_seq_reference
 
-
-def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup, comm: Comm | None = None) -> torch.Tensor:
-    """The inverse: [B, H/W, S, D] -> [B, H, S/W, D]."""
-    world = dist.get_world_size(group)
-    bsz, heads_local, seq, dim = x.shape
-    send = x.reshape(bsz, heads_local, world, seq // world, dim).permute(2, 0, 1, 3, 4).contiguous()
-    recv = _all_to_all(send, group, comm)
-    # recv[src] holds our sequence chunk of rank src's heads: head groups in rank order.
-    return recv.transpose(0, 1).reshape(bsz, world * heads_local, seq // world, dim)
+    return heads_to_seq_reference(xs, group)
 
 
 class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, comm: Comm | None) -> torch.Tensor:
+    def forward(
+        ctx, group: dist.ProcessGroup, comm: Comm | None, *xs: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         ctx.group, ctx.comm = group, comm
-        return seq_to_heads(x, group, comm)
+        ctx.heads = [x.shape[1] for x in xs]
+        return tuple(seq_to_heads(xs, group, comm))
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return heads_to_seq(grad.contiguous(), ctx.group, ctx.comm), None, None
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        back = heads_to_seq(grads, ctx.group, ctx.comm)
+        # A head replicated to several ranks gets the sum of its replicas' gradients.
+        back = [
+            g if g.shape[1] == heads else g.unflatten(1, (heads, -1)).sum(2)
+            for g, heads in zip(back, ctx.heads, strict=True)
+        ]
+        return None, None, *back
 
 
 class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, comm: Comm | None) -> torch.Tensor:
+    def forward(ctx, group: dist.ProcessGroup, comm: Comm | None, x: torch.Tensor) -> torch.Tensor:
         ctx.group, ctx.comm = group, comm
-        return heads_to_seq(x, group, comm)
+        return heads_to_seq([x], group, comm)[0]
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return seq_to_heads(grad.contiguous(), ctx.group, ctx.comm), None, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, None, torch.Tensor]:
+        return None, None, seq_to_heads([grad], ctx.group, ctx.comm)[0]
 
 
 def check_ulysses_heads(n_heads: int, n_kv_heads: int, world: int) -> None:
@@ -90,7 +100,7 @@ def ulysses_attention(
 ) -> AttentionFn:
     """Wrap `attention_fn` (causal over [B, H, S, D]) into attention over a sequence sharded across
     `group`: q, k, v are the local [B, H, S/W, D] shards, in rank order along the sequence. `comm`:
-    the comm path over `group` that runs the all-to-all (None: stock all_to_all_single)."""
+    the comm path over `group` that runs the exchanges (None: the stock path)."""
     world = dist.get_world_size(group)
 
     def attention(
@@ -101,10 +111,7 @@ def ulysses_attention(
                 "Ulysses attention serves training (causal, no KV cache); decode with parallel.cp=1"
             )
         check_ulysses_heads(q.shape[1], k.shape[1], world)
-        if k.shape[1] < world:
-            repeats = world // k.shape[1]
-            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-        q, k, v = (_SeqToHeads.apply(t, group, comm) for t in (q, k, v))
-        return _HeadsToSeq.apply(attention_fn(q, k, v, None), group, comm)
+        q, k, v = _SeqToHeads.apply(group, comm, q, k, v)
+        return _HeadsToSeq.apply(group, comm, attention_fn(q, k, v, None))
 
     return attention

@@ -284,8 +284,7 @@ def test_bad_layouts_fail_with_one_line_errors() -> None:
     ):
         validate_comm_ops(ParallelDims(1, 1, 2, comm="triton"), training=True)
     validate_comm_ops(ParallelDims(1, 1, 2, comm="triton"), training=False)
-    with pytest.raises(CommUnavailable, match=r"parallel\.comm=triton: all_to_all has no Triton kernel"):
-        validate_comm_ops(ParallelDims(1, 2, 1, comm="triton"), training=True)
+    validate_comm_ops(ParallelDims(1, 2, 1, comm="triton"), training=True)  # kernels/all_to_all.py
 
 
 def _comm_errors(rank: int, world: int) -> None:
