@@ -18,8 +18,8 @@ whole 16-byte vectors. The rules are plain Python (tests/test_all_reduce_dispatc
 Direct use (`input_buffer`): the returned tensor is this rank's `direct` region of the symmetric
 buffer. Write the partial sums into it, then call the all-reduce on it (or on a leading slice of it
 that starts at its first element); the kernels only read it (the push kernels read it like any other
-input, so it needs no special case there). There is one direct region per object: write the next call's partials only after the previous call was issued
-(stream order does the rest).
+input). There is one direct region per object: write the next call's partials only after the
+previous call was issued (stream order does the rest).
 """
 
 from __future__ import annotations
