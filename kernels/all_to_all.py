@@ -75,7 +75,7 @@ SUPPORTED_WORLD_SIZES = (2, 4, 8)
 MAX_TENSORS = 3  # q, k, v
 VECTOR_BYTES = 16
 MAX_CHUNKS = tl.constexpr(64)  # chunks per program: flags per (program, source rank)
-FLAG_BYTES = MAX_BLOCKS.value * MAX_WORLD.value * MAX_CHUNKS.value * 4
+FLAG_BYTES = tl.constexpr(MAX_BLOCKS.value * MAX_WORLD.value * MAX_CHUNKS.value * 4)
 IMAGE_ALIGN = 256
 CHUNK_BYTES = 64 << 10  # bytes a program pushes per chunk (all tensors, all destinations), at least
 BUFFER_TAG = "all_to_all"
@@ -87,76 +87,86 @@ HEADS_TO_SEQ_OP = op_id("all_to_all heads_to_seq")
 
 
 @triton.jit
-def source_offsets(
-    i, c, d, seq_local, strides,
-    HEADS: tl.constexpr, REP: tl.constexpr, VPH: tl.constexpr, VEC: tl.constexpr,
-    SEQ_TO_HEADS: tl.constexpr,
-):  # fmt: skip
-    """Element offset in the input of 16-byte vector c of row i's segment bound for rank d."""
-    b = i // seq_local
+def source_row_offsets(i, d, seq_local, strides, VEC: tl.constexpr, SEQ_TO_HEADS: tl.constexpr):
+    """int64 element offset in the input of row i's segment bound for rank d, up to the head term.
+    `strides` count 16-byte vectors, so the compiler sees every offset as a whole vector."""
+    b = (i // seq_local).to(tl.int64)
     s = i % seq_local
-    h = c // VPH
-    e = (c % VPH) * VEC
-    if SEQ_TO_HEADS:
-        off = b * strides[0] + ((d * HEADS + h) // REP) * strides[1] + s * strides[2] + e
-    else:
-        off = b * strides[0] + h * strides[1] + (d * seq_local + s) * strides[2] + e
-    return tl.multiple_of(off, VEC)
+    seq = s if SEQ_TO_HEADS else d * seq_local + s
+    return (b * strides[0] + seq.to(tl.int64) * strides[2]) * VEC
 
 
 @triton.jit
-def dest_offsets(
-    i, c, src, seq_local,
-    HEADS: tl.constexpr, VPH: tl.constexpr, VEC: tl.constexpr, WORLD: tl.constexpr,
+def source_col_offsets(
+    x, d, strides, HEADS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr, VEC: tl.constexpr,
     SEQ_TO_HEADS: tl.constexpr,
 ):  # fmt: skip
-    """Element offset in the output (and in the buffer image) of vector c of row i's segment from
-    rank src."""
+    """int64 element offset of element x (of HEADS * HEAD_DIM) of a segment bound for rank d, relative to
+    its row: seq_to_heads reads input head (d HEADS + h) // REP (REP > 1: a replicated head)."""
+    h = x // HEAD_DIM
+    head = (d * HEADS + h) // REP if SEQ_TO_HEADS else h
+    return head.to(tl.int64) * strides[1] * VEC + x % HEAD_DIM
+
+
+@triton.jit
+def dest_row_offsets(
+    i, src, seq_local, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, WORLD: tl.constexpr,
+    SEQ_TO_HEADS: tl.constexpr,
+):  # fmt: skip
+    """int64 element offset in the output (and in the buffer image) of row i's segment from rank src:
+    output row (b W + src) S/W + s of [B S, HEADS D] (seq_to_heads), i W + src of [B S/W W, HEADS D]."""
     row = (i // seq_local * WORLD + src) * seq_local + i % seq_local if SEQ_TO_HEADS else i * WORLD + src
-    return tl.multiple_of(row * (HEADS * VPH * VEC) + c * VEC, VEC)
+    return row.to(tl.int64) * (HEADS * HEAD_DIM)
 
 
 @triton.jit
 def push_rows(
     src_ptr, strides, dst_ptr, row0, block_rows, n_rows, seq_local, d,
-    RANK: tl.constexpr, HEADS: tl.constexpr, REP: tl.constexpr, VPH: tl.constexpr, VEC: tl.constexpr,
+    RANK: tl.constexpr, HEADS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr, VEC: tl.constexpr,
     WORLD: tl.constexpr, SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     """Rows [row0, row0 + block_rows) of one tensor, the segments bound for rank d: from the input to
-    their final offsets under `dst_ptr` (d's buffer image, or this rank's output when d == RANK)."""
-    NV: tl.constexpr = HEADS * VPH
-    lanes = tl.arange(0, TILE)
-    cols = tl.arange(0, VEC)
-    for f0 in range(0, block_rows * NV, TILE):
-        f = f0 + lanes
-        i = (row0 + f // NV).to(tl.int64)  # offsets in int64: outputs may exceed 2**31 elements
-        c = f % NV
-        mask = ((f < block_rows * NV) & (i < n_rows))[:, None]
-        src = source_offsets(i, c, d, seq_local, strides, HEADS, REP, VPH, VEC, SEQ_TO_HEADS)
-        dst = dest_offsets(i, c, RANK, seq_local, HEADS, VPH, VEC, WORLD, SEQ_TO_HEADS)
-        v = tl.load(src_ptr + (src[:, None] + cols[None, :]), mask=mask)
-        tl.store(dst_ptr + (dst[:, None] + cols[None, :]), v, mask=mask)
+    their final offsets under `dst_ptr` (d's buffer image, or this rank's output when d == RANK).
+    Tiles of [TILE / COLS rows, COLS elements]; a segment's row is contiguous at the destination and
+    HEAD_DIM-contiguous at the source, moved as 16-byte vectors."""
+    NCOLS: tl.constexpr = HEADS * HEAD_DIM
+    COLS: tl.constexpr = triton.next_power_of_2(NCOLS)
+    ROWS: tl.constexpr = max(1, TILE // COLS)
+    x = tl.arange(0, COLS)
+    src_cols = source_col_offsets(x, d, strides, HEADS, REP, HEAD_DIM, VEC, SEQ_TO_HEADS)
+    col_ok = x < NCOLS
+    for r0 in range(0, block_rows, ROWS):
+        r = r0 + tl.arange(0, ROWS)
+        i = row0 + r
+        row_ok = (r < block_rows) & (i < n_rows)
+        src_rows = source_row_offsets(i, d, seq_local, strides, VEC, SEQ_TO_HEADS)
+        dst_rows = dest_row_offsets(i, RANK, seq_local, HEADS, HEAD_DIM, WORLD, SEQ_TO_HEADS)
+        mask = row_ok[:, None] & col_ok[None, :] if COLS != NCOLS else row_ok[:, None]
+        v = tl.load(src_ptr + (src_rows[:, None] + src_cols[None, :]), mask=mask)
+        tl.store(dst_ptr + (dst_rows[:, None] + x[None, :]), v, mask=mask)
 
 
 @triton.jit
 def copy_out_rows(
     image_ptr, out_ptr, row0, block_rows, n_rows, seq_local, src_rank,
-    HEADS: tl.constexpr, VPH: tl.constexpr, VEC: tl.constexpr, WORLD: tl.constexpr,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, VEC: tl.constexpr, WORLD: tl.constexpr,
     SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     """The segments rank src_rank pushed for rows [row0, row0 + block_rows): image -> output, same
     offsets."""
-    NV: tl.constexpr = HEADS * VPH
-    lanes = tl.arange(0, TILE)
-    cols = tl.arange(0, VEC)
-    for f0 in range(0, block_rows * NV, TILE):
-        f = f0 + lanes
-        i = (row0 + f // NV).to(tl.int64)
-        c = f % NV
-        mask = ((f < block_rows * NV) & (i < n_rows))[:, None]
-        off = dest_offsets(i, c, src_rank, seq_local, HEADS, VPH, VEC, WORLD, SEQ_TO_HEADS)
-        ptrs = off[:, None] + cols[None, :]
-        tl.store(out_ptr + ptrs, tl.load(image_ptr + ptrs, mask=mask), mask=mask)
+    NCOLS: tl.constexpr = HEADS * HEAD_DIM
+    COLS: tl.constexpr = triton.next_power_of_2(NCOLS)
+    ROWS: tl.constexpr = max(1, TILE // COLS)
+    x = tl.arange(0, COLS)
+    col_ok = x < NCOLS
+    for r0 in range(0, block_rows, ROWS):
+        r = r0 + tl.arange(0, ROWS)
+        i = row0 + r
+        row_ok = (r < block_rows) & (i < n_rows)
+        mask = row_ok[:, None] & col_ok[None, :] if COLS != NCOLS else row_ok[:, None]
+        rows = dest_row_offsets(i, src_rank, seq_local, HEADS, HEAD_DIM, WORLD, SEQ_TO_HEADS)
+        offs = rows[:, None] + x[None, :]
+        tl.store(out_ptr + offs, tl.load(image_ptr + offs, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -177,7 +187,7 @@ def _all_to_all_kernel(
     buf_ptrs, base_offset, image_bytes, epoch_ptr, status_ptr,
     n_rows, seq_local, block_rows, timeout_ns,
     HEADS: tl.constexpr, REPS: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
-    VPH: tl.constexpr, VEC: tl.constexpr, SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, VEC: tl.constexpr, SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
     OP: tl.constexpr,
 ):  # fmt: skip
     NT: tl.constexpr = len(ins)
@@ -198,29 +208,29 @@ def _all_to_all_kernel(
         if k < n_chunks:
             row0 = (k * nprog + pid) * block_rows
             for j in tl.static_range(1, WORLD):  # rank+1 first: at any moment ranks push to different peers
-                d: tl.constexpr = (RANK + j) % WORLD
+                d = (RANK + j) % WORLD
                 peer = _image_base(buf_ptrs, d, image, DT)
                 for t in tl.static_range(NT):
                     push_rows(
                         ins[t], strides[t], peer + image_offsets[t], row0, block_rows, n_rows, seq_local,
-                        d, RANK, HEADS[t], REPS[t], VPH, VEC, WORLD, SEQ_TO_HEADS, TILE,
+                        d, RANK, HEADS[t], REPS[t], HEAD_DIM, VEC, WORLD, SEQ_TO_HEADS, TILE,
                     )  # fmt: skip
             for t in tl.static_range(NT):
                 push_rows(
                     ins[t], strides[t], outs[t], row0, block_rows, n_rows, seq_local,
-                    RANK, RANK, HEADS[t], REPS[t], VPH, VEC, WORLD, SEQ_TO_HEADS, TILE,
+                    RANK, RANK, HEADS[t], REPS[t], HEAD_DIM, VEC, WORLD, SEQ_TO_HEADS, TILE,
                 )  # fmt: skip
         if k > 0:
             prev = (k - 1) * nprog + pid
             for j in tl.static_range(1, WORLD):
-                src: tl.constexpr = (RANK + WORLD - j) % WORLD
+                src = (RANK + WORLD - j) % WORLD
                 wait_flag(
                     my_flags + _flag_index(pid, src, k - 1), epoch + 1, status_ptr, OP, k - 1, src, timeout_ns
                 )
                 for t in tl.static_range(NT):
                     copy_out_rows(
                         mine + image_offsets[t], outs[t], prev * block_rows, block_rows, n_rows, seq_local,
-                        src, HEADS[t], VPH, VEC, WORLD, SEQ_TO_HEADS, TILE,
+                        src, HEADS[t], HEAD_DIM, VEC, WORLD, SEQ_TO_HEADS, TILE,
                     )  # fmt: skip
         if k < n_chunks:
             # Every thread's pushes of chunk k are issued before the flags that announce them.
@@ -315,7 +325,7 @@ def image_layout(shapes: Sequence[Sequence[int]], itemsize: int) -> tuple[list[i
 
 def buffer_bytes(image_bytes: int) -> int:
     """Bytes of the symmetric buffer for images of `image_bytes`: flags + two images."""
-    return FLAG_BYTES + 2 * image_bytes
+    return FLAG_BYTES.value + 2 * image_bytes
 
 
 def schedule(n_rows: int, row_bytes: int, max_programs: int) -> tuple[int, int]:
@@ -352,7 +362,7 @@ def prepare(group: dist.ProcessGroup, image_bytes: int, tag: str = BUFFER_TAG) -
                 f"all_to_all: no symmetric buffer for {nbytes} bytes yet, and allocating one is collective: "
                 "make one eager call of this shape (or call kernels.all_to_all.prepare) before capturing"
             )
-        buf.tensor[:FLAG_BYTES].zero_()
+        buf.tensor[: FLAG_BYTES.value].zero_()
         torch.cuda.synchronize()
         dist.barrier(group=group)  # every rank's flags zeroed before any peer signals
         _READY[key] = buf
@@ -375,7 +385,7 @@ def launch_all_to_all(
     seq_to_heads: bool,
     timeout_ns: int,
     num_warps: int = 8,
-    tile: int = 1024,
+    tile: int = 8192,
     max_programs: int | None = None,
 ) -> None:
     """Run the kernel: `outs` (from `new_output`) receive the exchange of `xs` (kernel-`readable`)."""
@@ -411,10 +421,10 @@ def launch_all_to_all(
         max_programs = _NUM_SMS[device]
     block_rows, programs = schedule(n_rows, row_bytes, max_programs)
     _all_to_all_kernel[(programs,)](
-        tuple(xs), tuple(tuple(x.stride()[:3]) for x in xs), tuple(outs), tuple(offsets),
+        tuple(xs), tuple(tuple(s // vec for s in x.stride()[:3]) for x in xs), tuple(outs), tuple(offsets),
         buf.buffer_ptrs_dev, buf.base_offset, image_bytes, buf.epoch, buf.status,
         n_rows, seq_local, block_rows, timeout_ns,
-        HEADS=heads, REPS=reps, RANK=rank, WORLD=world, VPH=dim // vec, VEC=vec,
+        HEADS=heads, REPS=reps, RANK=rank, WORLD=world, HEAD_DIM=dim, VEC=vec,
         SEQ_TO_HEADS=seq_to_heads, TILE=tile, OP=SEQ_TO_HEADS_OP if seq_to_heads else HEADS_TO_SEQ_OP,
         num_warps=num_warps,
     )  # fmt: skip

@@ -13,6 +13,11 @@ mixed with eager calls; a rank that never enters -> SymmMemTimeout naming it.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import triton
@@ -70,40 +75,40 @@ def head_shard(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 def _push_kernel(
     ins, strides, outs, image_offsets, images, n_rows, seq_local, block_rows,
     HEADS: tl.constexpr, REPS: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
-    VPH: tl.constexpr, VEC: tl.constexpr, SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, VEC: tl.constexpr, SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     NT: tl.constexpr = len(ins)
     row0 = tl.program_id(0) * block_rows
     DT: tl.constexpr = outs[0].dtype.element_ty
     for j in tl.static_range(1, WORLD):
-        d: tl.constexpr = (RANK + j) % WORLD
+        d = (RANK + j) % WORLD
         peer = tl.load(images.to(tl.pointer_type(tl.uint64)) + d).to(tl.pointer_type(DT))
         for t in tl.static_range(NT):
             push_rows(
                 ins[t], strides[t], peer + image_offsets[t], row0, block_rows, n_rows, seq_local, d,
-                RANK, HEADS[t], REPS[t], VPH, VEC, WORLD, SEQ_TO_HEADS, TILE,
+                RANK, HEADS[t], REPS[t], HEAD_DIM, VEC, WORLD, SEQ_TO_HEADS, TILE,
             )  # fmt: skip
     for t in tl.static_range(NT):
         push_rows(
             ins[t], strides[t], outs[t], row0, block_rows, n_rows, seq_local, RANK,
-            RANK, HEADS[t], REPS[t], VPH, VEC, WORLD, SEQ_TO_HEADS, TILE,
+            RANK, HEADS[t], REPS[t], HEAD_DIM, VEC, WORLD, SEQ_TO_HEADS, TILE,
         )  # fmt: skip
 
 
 @triton.jit
 def _copy_out_kernel(
     image, image_offsets, outs, n_rows, seq_local, block_rows,
-    HEADS: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, VPH: tl.constexpr, VEC: tl.constexpr,
+    HEADS: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, HEAD_DIM: tl.constexpr, VEC: tl.constexpr,
     SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
     NT: tl.constexpr = len(outs)
     row0 = tl.program_id(0) * block_rows
     for j in tl.static_range(1, WORLD):
-        src: tl.constexpr = (RANK + WORLD - j) % WORLD
+        src = (RANK + WORLD - j) % WORLD
         for t in tl.static_range(NT):
             copy_out_rows(
                 image + image_offsets[t], outs[t], row0, block_rows, n_rows, seq_local, src,
-                HEADS[t], VPH, VEC, WORLD, SEQ_TO_HEADS, TILE,
+                HEADS[t], HEAD_DIM, VEC, WORLD, SEQ_TO_HEADS, TILE,
             )  # fmt: skip
 
 
@@ -138,12 +143,13 @@ def simulate(
         for x, o in zip(per_rank[0], outs[0], strict=True)
     )
     grid = (triton.cdiv(n_rows, block_rows),)
-    common = dict(VPH=dim // vec, VEC=vec, WORLD=world, SEQ_TO_HEADS=seq_to_heads, TILE=tile)
+    common = dict(HEAD_DIM=dim, VEC=vec, WORLD=world, SEQ_TO_HEADS=seq_to_heads, TILE=tile)
     for rank, xs in enumerate(per_rank):
         assert all(readable(x) for x in xs)
+        strides = tuple(tuple(s // vec for s in x.stride()[:3]) for x in xs)  # in 16-byte vectors
         _push_kernel[grid](
-            tuple(xs), tuple(tuple(x.stride()[:3]) for x in xs), tuple(outs[rank]), tuple(offsets),
-            table.data_ptr(), n_rows, seq_local, block_rows, HEADS=heads, REPS=reps, RANK=rank, **common,
+            tuple(xs), strides, tuple(outs[rank]), tuple(offsets), table.data_ptr(), n_rows, seq_local,
+            block_rows, HEADS=heads, REPS=reps, RANK=rank, **common,
         )  # fmt: skip
     for rank in range(world):
         _copy_out_kernel[grid](
@@ -269,3 +275,62 @@ def test_reference_on_gloo() -> None:
 
 
 # -------------------------------------------------------------------------------------------- GPU
+
+
+# ------------------------------------------------------------------------------------ sm_90 build
+
+
+def _compile_sm90(seq_to_heads: bool, world: int, dtype: torch.dtype, heads: tuple, reps: tuple) -> str:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.all_to_all import _all_to_all_kernel
+
+    n = len(heads)
+    ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
+    sig = {
+        "ins": (ty,) * n, "strides": (("i64",) * 3,) * n, "outs": (ty,) * n, "image_offsets": ("i64",) * n,
+        "buf_ptrs": "i64", "base_offset": "i64", "image_bytes": "i64", "epoch_ptr": "*i32",
+        "status_ptr": "*i32", "n_rows": "i32", "seq_local": "i32", "block_rows": "i32", "timeout_ns": "i64",
+    }  # fmt: skip
+    vec = 16 // torch.empty((), dtype=dtype).element_size()
+    const = {"HEADS": heads, "REPS": reps, "RANK": world - 1, "WORLD": world, "HEAD_DIM": 128, "VEC": vec,
+             "SEQ_TO_HEADS": seq_to_heads, "TILE": 8192, "OP": 1}  # fmt: skip
+    sig.update(dict.fromkeys(const, "constexpr"))
+    # What the launcher's specialization gives: tensors and image offsets 16-byte aligned.
+    names = _all_to_all_kernel.arg_names
+    attrs = {
+        (names.index(a), t): [["tt.divisibility", 16]]
+        for a in ("ins", "outs", "image_offsets")
+        for t in range(n)
+    }
+    src = ASTSource(fn=_all_to_all_kernel, signature=sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+
+
+def check_sm90_ptx() -> None:
+    """Compile the kernel for sm_90 in a few configurations and check the PTX has what the design
+    relies on. Runs in a process without TRITON_INTERPRET (the interpreter replaces @triton.jit)."""
+    import re
+
+    cases = [
+        (True, 4, torch.bfloat16, (8, 2, 2), (1, 1, 1)),  # q, k, v
+        (True, 8, torch.bfloat16, (4, 1, 1), (1, 2, 2)),  # kv heads replicated
+        (False, 4, torch.bfloat16, (8, 2, 2), (1, 1, 1)),  # gradients of q, k, v
+        (False, 2, torch.float32, (3,), (1,)),  # 3 heads: padded columns
+    ]
+    for case in cases:
+        ptx = _compile_sm90(*case)
+        assert "st.global.v4" in ptx and "ld.global.v4" in ptx, f"{case}: data must move as 16-byte vectors"
+        narrow = re.findall(r"(?:ld|st)\.global\.(?:b16|v2\.\w+)|ld\.global\.b32", ptx)
+        assert not narrow, f"{case}: narrow data accesses {sorted(set(narrow))}"
+        assert "atom.global.sys.release" in ptx, f"{case}: flags must be released at system scope"
+        assert "ld.acquire.sys" in ptx and "%globaltimer" in ptx, f"{case}: waits must be bounded acquires"
+
+
+def test_kernel_compiles_for_sm90() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "from tests.test_all_to_all import check_sm90_ptx; check_sm90_ptx()"
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
