@@ -1,0 +1,405 @@
+"""Matmul + reduce-scatter (kernels/matmul_rs.py).
+
+CPU (Triton interpreter, gloo):
+* the tile schedule of the kernel itself (`_tile_coords`, run in a small kernel): every tile of every
+  destination exactly once, destinations in the order rank + 1, ..., rank (own rows last), T tiles
+  per destination (the flags each peer sets per call), the same order inside a step on every rank;
+* the whole kernel, pushes, flags, epochs and reduction included, on W simulated ranks in one process:
+  each rank's "symmetric buffers" are CPU tensors whose addresses fill the pointer tables. One call runs
+  as two launches per rank (every rank's peer steps, then every rank's own step), since a single
+  interpreted program cannot wait for another; the epochs are put back between the two launches, as
+  one launch would leave them. Up to three calls in a row (both halves, stale flags of the first call
+  seen by the third), ragged rows, K and N, several pieces (dim=1 with B > 1), both weight layouts, outputs
+  poisoned. fp16 here: the interpreter's tl.dot mishandles bf16; the GPU tests run bf16. The bounded
+  spin (inline PTX) cannot run in the interpreter: the timeout is tested on GPUs;
+* layout math, input validation and the fallback rules; the reference and the fake op with gloo.
+GPU (2 and 4 ranks, NCCL beside): the registered op against torch.matmul + reduce_scatter_tensor at
+bf16 tolerance on fresh inputs, ragged N, K and rows (M/W = 129), both b layouts, dim=1 with B=2,
+outputs poisoned; CUDA-graph capture with replays on fresh inputs mixed with eager calls; a rank that
+never enters -> SymmMemTimeout naming it.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from kernels import matmul_rs as mrs
+from kernels.symm_mem import SymmMemTimeout
+from tests.multiprocess import run_ranks
+
+# ------------------------------------------------------------------------------------ CPU: schedule
+
+
+@triton.jit
+def _coords_kernel(
+    out_ptr, total, tiles_per_dest, row_tiles, n_tiles,
+    RANK: tl.constexpr, WORLD: tl.constexpr, GROUP_M: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    for start in range(0, total, BLOCK):
+        tile = start + tl.arange(0, BLOCK)
+        mask = tile < total
+        dest, m, j = mrs._tile_coords(tile, tiles_per_dest, row_tiles, n_tiles, RANK, WORLD, GROUP_M)
+        tl.store(out_ptr + tile * 3 + 0, dest, mask=mask)
+        tl.store(out_ptr + tile * 3 + 1, m, mask=mask)
+        tl.store(out_ptr + tile * 3 + 2, j, mask=mask)
+
+
+def schedule(rank: int, world: int, row_tiles: int, n_tiles: int, group_m: int) -> list[tuple[int, int, int]]:
+    """(destination, row tile, column tile) of every tile, in schedule order."""
+    total = world * row_tiles * n_tiles
+    out = torch.full((total, 3), -1, dtype=torch.int32)
+    _coords_kernel[(1,)](
+        out, total, row_tiles * n_tiles, row_tiles, n_tiles,
+        RANK=rank, WORLD=world, GROUP_M=group_m, BLOCK=256,
+    )  # fmt: skip
+    return [tuple(t) for t in out.tolist()]
+
+
+SCHEDULE_CASES = [  # world, row tiles per destination, column tiles, group_m
+    (2, 1, 1, 8),
+    (2, 9, 5, 8),
+    (4, 16, 16, 8),
+    (4, 3, 7, 2),
+    (8, 17, 3, 4),
+    (8, 20, 12, 8),
+]
+
+
+@pytest.mark.parametrize("case", SCHEDULE_CASES)
+def test_tile_schedule(case) -> None:
+    world, row_tiles, n_tiles, group_m = case
+    per_dest = row_tiles * n_tiles
+    inner = None
+    for rank in range(world):
+        coords = schedule(rank, world, row_tiles, n_tiles, group_m)
+        expected = {(d, m, j) for d in range(world) for m in range(row_tiles) for j in range(n_tiles)}
+        assert len(coords) == len(set(coords)) == len(expected) and set(coords) == expected, "each tile once"
+        for step in range(world):
+            block = coords[step * per_dest : (step + 1) * per_dest]
+            assert {d for d, _, _ in block} == {(rank + 1 + step) % world}, f"step {step}'s destination"
+            # The counter target: a destination receives exactly T tiles (one flag each) per source.
+            assert len(block) == per_dest
+        assert coords[-1][0] == rank, "own rows last"
+        order = [(m, j) for _, m, j in coords[:per_dest]]
+        assert inner is None or order == inner, "the same (row tile, column tile) order on every rank"
+        inner = order
+    # Group-M: the first group_m row tiles' tiles come first (they share B tiles in L2).
+    first = inner[: min(group_m, row_tiles) * n_tiles]
+    assert {m for m, _ in first} == set(range(min(group_m, row_tiles)))
+
+
+# ------------------------------------------------------------------------------------ CPU: simulated ranks
+
+
+class SimulatedWorld:
+    """W ranks' symmetric state as CPU tensors in one process: data and flag buffers per rank, their
+    address tables, epochs and status words."""
+
+    def __init__(self, world: int, data_half: int, flag_half: int) -> None:
+        self.world = world
+        self.data = [torch.randint(0, 255, (2 * data_half,), dtype=torch.uint8) for _ in range(world)]
+        self.flags = [torch.zeros(2 * flag_half, dtype=torch.int32) for _ in range(world)]
+        self.data_table = torch.tensor([t.data_ptr() for t in self.data], dtype=torch.int64)
+        self.flag_table = torch.tensor([t.data_ptr() for t in self.flags], dtype=torch.int64)
+        self.epochs = [torch.zeros(mrs.EPOCH_SLOTS, dtype=torch.int32) for _ in range(world)]
+        self.status = [torch.zeros(4, dtype=torch.int32) for _ in range(world)]
+        self.data_half, self.flag_half = data_half, flag_half
+
+    def buffers(self, rank: int) -> mrs.Buffers:
+        return mrs.Buffers(
+            data_table=self.data_table.data_ptr(),
+            data_offset=0,
+            data_half=self.data_half,
+            flag_table=self.flag_table.data_ptr(),
+            flag_offset=0,
+            flag_half=self.flag_half,
+            epochs=self.epochs[rank],
+            status=self.status[rank],
+        )
+
+    def call(self, a: list[torch.Tensor], b: torch.Tensor, layout, config, num_programs: int):
+        """One matmul-reduce-scatter over the simulated ranks: peer steps of every rank, then own steps."""
+        outs = [torch.full((layout.pieces, layout.rows, layout.n), float("nan")).half() for _ in a]
+        peer_tiles = (layout.world - 1) * layout.tiles_per_dest(config)
+        total = layout.world * layout.tiles_per_dest(config)
+        for r in range(self.world):
+            epochs = self.epochs[r].clone()
+            mrs.launch(
+                a[r], b, outs[r], layout, self.buffers(r), r, config, num_programs, 10**9, (0, peer_tiles)
+            )
+            self.epochs[r].copy_(epochs)
+        for r in range(self.world):
+            mrs.launch(
+                a[r], b, outs[r], layout, self.buffers(r), r, config, num_programs, 10**9, (peer_tiles, total)
+            )
+        return outs
+
+
+MATH_CASES = [  # world, pieces, rows per destination, K, N, b as [K, N], BM BN BK, calls
+    (2, 1, 37, 40, 24, True, (16, 16, 16), 3),
+    (4, 2, 13, 24, 40, False, (16, 32, 16), 2),
+    (4, 1, 1, 16, 8, True, (16, 16, 16), 3),
+    (8, 2, 5, 8, 16, False, (16, 16, 8), 1),
+]
+
+
+@pytest.mark.parametrize("case", MATH_CASES)
+def test_kernel_on_simulated_ranks(case) -> None:
+    world, pieces, rows, k, n, kn, (bm, bn, bk), calls = case
+    config = mrs.GemmConfig(bm, bn, bk, 2, 4, 2)
+    layout = mrs.ScatterLayout(pieces, rows, k, n, world)
+    sim = SimulatedWorld(world, layout.half_bytes(), (world - 1) * layout.tiles_per_dest(config))
+    for call in range(calls):
+        a = [torch.randn(pieces, world, rows, k).half() for _ in range(world)]
+        b = torch.randn(k, n).half() if kn else torch.randn(n, k).half().t()
+        outs = sim.call(a, b, layout, config, num_programs=3)
+        total = sum(x.float() @ b.float() for x in a)  # [P, W, R, N]: rank d keeps [:, d]
+        for r in range(world):
+            assert sim.status[r].tolist() == [0, 0, 0, 0], f"rank {r}: a wait recorded a timeout"
+            assert sim.epochs[r].eq(call + 1).all(), f"rank {r}: every epoch slot advances once per call"
+            half = sim.flags[r].view(2, -1)[call % 2]
+            assert half.eq(call + 1).all(), f"rank {r}: every peer announced every tile of call {call}"
+            assert not outs[r].isnan().any(), f"rank {r}, call {call}: tiles left unwritten"
+            ref = total[:, r]
+            err = (outs[r].float() - ref).norm() / ref.norm()
+            assert err < 2e-3, f"rank {r}, call {call}: relative error {err:.2e}"
+
+
+def test_launch_validates_its_arguments() -> None:
+    layout = mrs.ScatterLayout(1, 16, 16, 8, 2)
+    config = mrs.GemmConfig(16, 16, 16, 1, 4, 1)
+    sim = SimulatedWorld(2, layout.half_bytes(), layout.tiles_per_dest(config))
+    a = torch.zeros(1, 2, 16, 16).half()
+    b = torch.zeros(16, 8).half()
+    out = torch.zeros(1, 16, 8).half()
+    with pytest.raises(ValueError, match="contiguous"):
+        mrs.launch(a[:, :1], b, out, layout, sim.buffers(0), 0, config, 1, 1)
+    with pytest.raises(ValueError, match="neither"):
+        mrs.launch(a, torch.zeros(16, 16).half()[:, ::2], out, layout, sim.buffers(0), 0, config, 1, 1)
+    with pytest.raises(ValueError, match="flags"):
+        mrs.launch(a, b, out, layout, sim.buffers(0), 0, mrs.GemmConfig(8, 16, 16, 1, 4, 1), 1, 1)
+    with pytest.raises(ValueError, match="num_programs"):
+        mrs.launch(a, b, out, layout, sim.buffers(0), 0, config, mrs.EPOCH_SLOTS + 1, 1)
+    with pytest.raises(ValueError, match="tile range"):
+        mrs.launch(a, b, out, layout, sim.buffers(0), 0, config, 1, 1, (0, 3))
+
+
+# ------------------------------------------------------------------------------------ CPU: layout, validation
+
+
+def test_scatter_layout() -> None:
+    assert mrs.scatter_layout((2, 8, 16), 1, 24, 4) == mrs.ScatterLayout(2, 2, 16, 24, 4)
+    assert mrs.scatter_layout((2, 8, 16), 0, 24, 2) == mrs.ScatterLayout(1, 8, 16, 24, 2)
+    assert mrs.scatter_layout((3, 4, 5, 16), -3, 8, 2) == mrs.ScatterLayout(3, 10, 16, 8, 2)
+    assert mrs.scatter_layout((516, 64), 0, 8, 4).rows == 129
+    assert mrs.output_shape((2, 8, 16), 1, 24, 4) == [2, 2, 24]
+    with pytest.raises(ValueError, match="last"):
+        mrs.scatter_layout((4, 16), 1, 8, 2)
+    with pytest.raises(ValueError, match="does not split over 4"):
+        mrs.scatter_layout((2, 6, 16), 1, 8, 4)
+    layout = mrs.ScatterLayout(2, 129, 64, 1000, 4)
+    assert layout.tiles_per_dest(mrs.GemmConfig(128, 128, 64, 8, 8, 3)) == 2 * 2 * 8
+    assert layout.half_bytes() == 3 * 2 * 129 * 1000 * 2
+
+
+def test_check_inputs_and_fallback_rules() -> None:
+    a = torch.zeros(2, 8, 64, dtype=torch.bfloat16)
+    w = torch.zeros(96, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"needs \[64, N\]"):
+        mrs.check_inputs(a, w, 1, 2)  # an nn.Linear weight passed without .t()
+    with pytest.raises(ValueError, match="one dtype"):
+        mrs.check_inputs(a, w.t().float(), 1, 2)
+    with pytest.raises(ValueError, match="not a row dim"):
+        mrs.check_inputs(a, w.t(), 2, 2)
+    with pytest.raises(ValueError, match="does not split over 3"):
+        mrs.check_inputs(a, w.t(), 1, 3)
+    mrs.check_inputs(a, w.t(), 1, 4)
+    assert mrs.fallback_reason(a, w.t(), 1, 4) is None
+    assert mrs.fallback_reason(a, w.t().contiguous(), 0, 2) is None
+    assert "world size 3" in mrs.fallback_reason(a[:, :6], w.t(), 1, 3)
+    assert "dtype" in mrs.fallback_reason(a.float(), w.t().float(), 1, 2)
+    assert "multiple of 8" in mrs.fallback_reason(a[..., :60], w[:, :60].t(), 1, 2)
+    assert "multiple of 8" in mrs.fallback_reason(a, w[:92].t(), 1, 2)
+    assert "neither" in mrs.fallback_reason(a, w.t()[:, ::2], 1, 2)
+    assert "empty" in mrs.fallback_reason(a[:, :0], w.t(), 1, 2)
+    big = torch.empty(1 << 20, 8, dtype=torch.bfloat16, device="meta")
+    assert "flags" in mrs.fallback_reason(
+        big, torch.empty(8, 1 << 16, dtype=torch.bfloat16, device="meta"), 0, 8
+    )
+
+
+def test_pick_config_and_dispatch() -> None:
+    assert mrs.pick_config(1000).block_n == 128
+    assert mrs.pick_config(4096).block_n == 256
+    from parallel.comm import _find_kernel
+
+    assert _find_kernel("matmul_reduce_scatter") is mrs.matmul_reduce_scatter
+
+
+def _reference_on_rank(rank: int, world: int) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for shape, dim in (((2, 4, 16), 1), ((6, 16), 0), ((4, 2, 16), 0)):
+        torch.manual_seed(rank)
+        a = torch.randn(shape)
+        for b in (torch.randn(16, 8), torch.randn(24, 16).t()):
+            out = mrs.matmul_reduce_scatter_reference(a, b, dim)
+            total = a @ b
+            dist.all_reduce(total)
+            expect = total.chunk(world, dim=dim)[rank]
+            torch.testing.assert_close(out, expect)
+        with FakeTensorMode():
+            fake = torch.ops.weft.matmul_reduce_scatter(
+                torch.empty(shape), torch.empty(16, 8), dim, dist.group.WORLD.group_name
+            )
+        assert list(fake.shape) == mrs.output_shape(shape, dim, 8, world)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        mrs.matmul_reduce_scatter(torch.zeros(4, 16), torch.zeros(16, 8), 0)
+    with pytest.raises(ValueError, match="does not split"):
+        mrs.matmul_reduce_scatter(torch.zeros(3, 16), torch.zeros(16, 8), 0)
+
+
+def test_reference_and_fake_gloo() -> None:
+    run_ranks(_reference_on_rank, 2)
+
+
+# ------------------------------------------------------------------------------------ GPU
+
+GPU_CASES = [  # shape of a with `dim` given per rank (the call has W times it), dim, N, b as [K, N]
+    ((256, 512), 0, 768, False),
+    ((129, 3008), 0, 1024, True),  # ragged rows (M/W = 129) and K
+    ((129, 3008), 0, 1000, False),  # ragged N
+    ((2, 96, 1024), 1, 2048, False),  # dim=1, B=2
+    ((2, 78, 520), 1, 136, True),
+    ((1, 1024, 4096), 1, 3584, False),
+    ((3, 16, 256), 0, 512, True),
+]
+BF16_RTOL = 1.6e-2
+
+
+def _reference(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+    """torch.matmul + reduce_scatter_tensor, the product kept in fp32 (the tolerance is on ours)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    total = torch.matmul(a.float(), b.float())
+    dist.all_reduce(total)
+    return total.chunk(world, dim=dim % a.dim())[rank]
+
+
+def _check(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape, f"{what}: {out.dtype} {tuple(out.shape)}"
+    assert not out.isnan().any(), f"{what}: unwritten (NaN) elements"
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    assert err < BF16_RTOL / 4, f"{what}: relative error {err:.2e}"
+
+
+def _weight(k: int, n: int, kn: bool, dev) -> torch.Tensor:
+    if kn:
+        return torch.randn(k, n, device=dev, dtype=torch.bfloat16) / math.sqrt(k)
+    return (torch.randn(n, k, device=dev, dtype=torch.bfloat16) / math.sqrt(k)).t()
+
+
+def _poisoned_call(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
+    """The op, after NaN-filling and freeing a block of its output's size: the caching allocator hands
+    that block to the output, so an element the kernel misses stays NaN."""
+    shape = mrs.output_shape(a.shape, dim, b.shape[1], dist.get_world_size())
+    junk = torch.full(shape, float("nan"), device=a.device, dtype=a.dtype)
+    del junk
+    return mrs.matmul_reduce_scatter(a, b, dim)
+
+
+def _correctness(rank: int, world: int) -> None:
+    dev = torch.device("cuda", rank)
+    for shape, dim, n, kn in GPU_CASES:
+        shape = tuple(size * world if i == dim else size for i, size in enumerate(shape))
+        for trial in range(2):
+            torch.manual_seed(1000 * trial + 17 * rank + n)
+            a = torch.randn(shape, device=dev, dtype=torch.bfloat16)
+            torch.manual_seed(trial)  # weights equal on every rank (not needed, but as in the model)
+            b = _weight(shape[-1], n, kn, dev)
+            assert mrs.fallback_reason(a, b, dim, world) is None, "this case must run the kernel"
+            out = _poisoned_call(a, b, dim)
+            torch.cuda.synchronize()
+            mrs.check()
+            _check(out, _reference(a, b, dim), f"rank {rank} {shape} dim={dim} N={n} kn={kn}")
+    # The fallback (fp32) goes through the same entry point.
+    a = torch.randn(64, 64, device=dev)
+    eye = torch.eye(64, device=dev)
+    torch.testing.assert_close(mrs.matmul_reduce_scatter(a, eye, 0), _reference(a, eye, 0))
+
+
+def _graphs(rank: int, world: int) -> None:
+    dev = torch.device("cuda", rank)
+    inputs = [
+        torch.zeros(2, 96 * world, 512, device=dev, dtype=torch.bfloat16),
+        torch.zeros(129 * world, 512, device=dev, dtype=torch.bfloat16),
+    ]
+    torch.manual_seed(5)
+    w_nk = _weight(512, 384, False, dev)
+    w_kn = _weight(512, 1024, True, dev)
+    calls = [(inputs[0], w_nk, 1), (inputs[1], w_kn, 0), (inputs[0], w_kn, 1)]  # odd: parities shift
+    results: list = [None] * len(calls)
+
+    def step() -> None:
+        for i, (a, b, dim) in enumerate(calls):
+            results[i] = mrs.matmul_reduce_scatter(a, b, dim)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up: allocates the symmetric buffers and compiles, outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    captured = list(results)
+    for replay in range(6):
+        torch.manual_seed(100 * replay + rank)
+        for a in inputs:
+            a.copy_(torch.randn_like(a))
+        for out in captured:
+            out.fill_(float("nan"))
+        graph.replay()
+        if replay % 2:
+            eager = torch.randn(40 * world, 512, device=dev, dtype=torch.bfloat16)
+            _check(mrs.matmul_reduce_scatter(eager, w_kn, 0), _reference(eager, w_kn, 0), f"eager {replay}")
+        torch.cuda.synchronize()
+        mrs.check()
+        for (a, b, dim), out in zip(calls, captured, strict=True):
+            _check(out, _reference(a, b, dim), f"rank {rank} replay {replay} {tuple(a.shape)} dim={dim}")
+
+
+def _timeout(rank: int, world: int) -> None:
+    dev = torch.device("cuda", rank)
+    group = dist.new_group(list(range(world)))
+    absent = world - 1
+    a = torch.randn(64 * world, 256, device=dev, dtype=torch.bfloat16)
+    b = _weight(256, 128, True, dev)
+    mrs.prepare(a, b, 0, group)
+    dist.barrier()
+    if rank != absent:
+        mrs.matmul_reduce_scatter_kernel(a, b, 0, group, timeout_s=0.5)
+        torch.cuda.synchronize()
+        with pytest.raises(
+            SymmMemTimeout, match=rf"rank {rank}: matmul_reduce_scatter .* waiting for rank {absent}"
+        ):
+            mrs.check(group)
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
+def _run_on_rank(rank: int, world: int) -> None:
+    _correctness(rank, world)
+    _graphs(rank, world)
+    _timeout(rank, world)
+
+
+@pytest.mark.parametrize(
+    "world",
+    [pytest.param(2, marks=pytest.mark.multigpu(n=2)), pytest.param(4, marks=pytest.mark.multigpu(n=4))],
+)
+def test_matmul_rs_gpu(world: int) -> None:
+    run_ranks(_run_on_rank, world, backend="nccl")
