@@ -20,25 +20,33 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
 from kernels.all_to_all import (
     CHUNK_BYTES,
     MAX_CHUNKS,
+    all_to_all_kernel,
+    check,
     check_inputs,
     copy_out_rows,
     fallback_reason,
+    heads_to_seq,
     heads_to_seq_reference,
     image_layout,
+    launch_all_to_all,
     new_output,
     output_shape,
+    prepare,
     push_rows,
     readable,
     replicate_heads,
     schedule,
+    seq_to_heads,
     seq_to_heads_reference,
 )
+from kernels.symm_mem import SymmMemTimeout
 from tests.multiprocess import run_ranks
 
 # ------------------------------------------------------------------------------- the definition
@@ -334,3 +342,127 @@ def test_kernel_compiles_for_sm90() -> None:
     root = Path(__file__).resolve().parent.parent
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-4000:]
+
+
+# -------------------------------------------------------------------------------------------- GPU
+
+# (batch, seq per rank, head dim, dtype, heads of each tensor): q/k/v with and without GQA, replicated
+# kv heads at world 4, ragged chunks, a lone tensor.
+GPU_CASES = [
+    (1, 1024, 128, torch.bfloat16, (32, 8, 8)),
+    (2, 1000 + 3, 128, torch.bfloat16, (8, 2, 2)),
+    (1, 257, 64, torch.float16, (4, 1, 1)),
+    (3, 77, 128, torch.float32, (8,)),
+]
+
+
+def _random_seq_inputs(case, world: int, dev: torch.device) -> list[torch.Tensor]:
+    bsz, seq_local, dim, dtype, heads = case
+    # What the model hands over: [B, H, S/W, D] transpose views of [B, S/W, H, D] projections.
+    return [torch.randn(bsz, seq_local, h, dim, device=dev).to(dtype).transpose(1, 2) for h in heads]
+
+
+def _correctness(rank: int, world: int) -> None:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    group = dist.group.WORLD
+    for n, case in enumerate(GPU_CASES):
+        torch.manual_seed(100 * n + rank)  # different data on every rank
+        xs = _random_seq_inputs(case, world, dev)
+        assert fallback_reason(xs, world) is None
+        want = seq_to_heads_reference(xs)
+        got = seq_to_heads(xs)
+        # The launcher itself, into poisoned outputs.
+        outs = [new_output(o.shape, True, o).fill_(float("nan")) for o in want]
+        _, image_bytes = image_layout([o.shape for o in outs], xs[0].element_size())
+        launch_all_to_all(prepare(group, image_bytes), xs, outs, True, 10**10)
+        torch.cuda.synchronize()
+        check(group)
+        for t, (w, g, o) in enumerate(zip(want, got, outs, strict=True)):
+            assert torch.equal(g, w), f"seq_to_heads case {case} tensor {t}: op != reference"
+            assert torch.equal(o, w), f"seq_to_heads case {case} tensor {t}: launcher != reference"
+        # The way back, from strided [B, H/W, S, D] views (what attention outputs and gradients may be).
+        ys = [torch.randn_like(o).transpose(1, 2).contiguous().transpose(1, 2) if t else torch.randn_like(o)
+              for t, o in enumerate(want)]  # fmt: skip
+        back_want = heads_to_seq_reference(ys)
+        back = heads_to_seq(ys)
+        for t, (w, g) in enumerate(zip(back_want, back, strict=True)):
+            assert torch.equal(g, w), f"heads_to_seq case {case} tensor {t}: op != reference"
+        # Round trip of the non-replicated tensors.
+        trip = heads_to_seq(got)
+        for t, (x, y) in enumerate(zip(xs, trip, strict=True)):
+            if x.shape[1] >= world:
+                assert torch.equal(x, y), f"round trip case {case} tensor {t}"
+    # A non-readable input (odd strides) is copied once, then exchanged.
+    x = torch.randn(1, 64, 8, 130, device=dev, dtype=torch.bfloat16)[..., 1:129].transpose(1, 2)
+    assert torch.equal(all_to_all_kernel([x], group, True)[0], seq_to_heads_reference([x])[0])
+    check(group)
+
+
+def _graphs(rank: int, world: int) -> None:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    case = GPU_CASES[1]
+    xs = _random_seq_inputs(case, world, dev)
+    o = torch.randn_like(seq_to_heads_reference(xs[:1])[0])
+
+    def step() -> list[torch.Tensor]:  # three calls: the epoch parity flips between replays
+        q, k, v = seq_to_heads(xs)
+        (back,) = heads_to_seq([o])
+        (q2,) = seq_to_heads([xs[0]])
+        return [q, k, v, back, q2]
+
+    def reference() -> list[torch.Tensor]:
+        q, k, v = seq_to_heads_reference(xs)
+        return [q, k, v, *heads_to_seq_reference([o]), *seq_to_heads_reference([xs[0]])]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up: allocates the symmetric buffers (collective) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for replay in range(12):
+        torch.manual_seed(1000 * replay + rank)
+        for x in xs:
+            x.copy_(torch.randn_like(x))
+        o.copy_(torch.randn_like(o))
+        for out in outs:
+            out.fill_(float("nan"))
+        graph.replay()
+        if replay % 3 == 0:  # eager calls between replays shift the epochs by an odd count
+            eager = seq_to_heads([xs[1]])[0]
+            assert torch.equal(eager, seq_to_heads_reference([xs[1]])[0]), f"eager call after replay {replay}"
+        torch.cuda.synchronize()
+        check()
+        for t, (got, want) in enumerate(zip(outs, reference(), strict=True)):
+            assert torch.equal(got, want), f"graph replay {replay} output {t}"
+
+
+def _timeout(rank: int, world: int) -> None:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    xs = _random_seq_inputs(GPU_CASES[0], world, dev)
+    all_to_all_kernel(xs, dist.group.WORLD, True, tag="timeout-test")  # every rank: the buffer exists
+    torch.cuda.synchronize()
+    absent = world - 1
+    if rank != absent:
+        all_to_all_kernel(xs, dist.group.WORLD, True, timeout_s=0.5, tag="timeout-test")
+        torch.cuda.synchronize()
+        with pytest.raises(SymmMemTimeout, match=rf"rank {rank}: .* waiting for rank {absent}"):
+            check(tag="timeout-test")
+    torch.cuda.synchronize()
+    dist.barrier()
+
+
+def _on_gpus(rank: int, world: int) -> None:
+    _correctness(rank, world)
+    _graphs(rank, world)
+    _timeout(rank, world)
+
+
+@pytest.mark.parametrize(
+    "world",
+    [pytest.param(2, marks=pytest.mark.multigpu(n=2)), pytest.param(4, marks=pytest.mark.multigpu(n=4))],
+)
+def test_kernel_equals_reference_on_gpus(world: int) -> None:
+    run_ranks(_on_gpus, world, backend="nccl")
