@@ -12,6 +12,8 @@ CPU (Triton interpreter, gloo):
   seen by the third), ragged rows, K and N, several pieces (dim=1 with B > 1), both weight layouts, outputs
   poisoned. fp16 here: the interpreter's tl.dot mishandles bf16; the GPU tests run bf16. The bounded
   spin (inline PTX) cannot run in the interpreter: the timeout is tested on GPUs;
+* the kernel compiled for sm_90 (no GPU needed): fits in shared memory, uses wgmma and TMA loads,
+  16-byte pushes and reads, system-scope release flags, bounded acquire waits;
 * layout math, input validation and the fallback rules; the reference and the fake op with gloo.
 GPU (2 and 4 ranks, NCCL beside): the registered op against torch.matmul + reduce_scatter_tensor at
 bf16 tolerance on fresh inputs, ragged N, K and rows (M/W = 129), both b layouts, dim=1 with B=2,
@@ -20,6 +22,10 @@ never enters -> SymmMemTimeout naming it.
 """
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -186,6 +192,59 @@ def test_launch_validates_its_arguments() -> None:
         mrs.launch(a, b, out, layout, sim.buffers(0), 0, config, mrs.EPOCH_SLOTS + 1, 1)
     with pytest.raises(ValueError, match="tile range"):
         mrs.launch(a, b, out, layout, sim.buffers(0), 0, config, 1, 1, (0, 3))
+
+
+# ------------------------------------------------------------------------------------ CPU: sm_90 build
+
+
+def _compile_sm90(world: int, config: mrs.GemmConfig, b_kn: bool) -> str:
+    """PTX of the kernel for sm_90, with the signature and specialization a launch gives."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    sig = {
+        "a_desc": f"tensordesc<bf16[1,{bm},{bk}]>",
+        "b_desc": f"tensordesc<bf16[{bk},{bn}]>" if b_kn else f"tensordesc<bf16[{bn},{bk}]>",
+        "out_ptr": "*bf16", "data_table": "i64", "data_offset": "i64", "data_half": "i64",
+        "flag_table": "i64", "flag_offset": "i64", "flag_half": "i32", "epoch_ptr": "*i32",
+        "status_ptr": "*i32", "timeout_ns": "i64", "k": "i32", "rows": "i32", "n": "i32", "pieces": "i32",
+        "tile_begin": "i32", "tile_end": "i32",
+    }  # fmt: skip
+    const = {"RANK": world - 1, "WORLD": world, "BM": bm, "BN": bn, "BK": bk, "GROUP_M": config.group_m,
+             "B_KN": b_kn, "EPOCH_SLOTS": mrs.EPOCH_SLOTS, "OP_ID": 1, "pieces": 1}  # fmt: skip
+    sig.update(dict.fromkeys(const, "constexpr"))
+    names = mrs._matmul_rs_kernel.arg_names
+    aligned = ("out_ptr", "epoch_ptr", "status_ptr", "k", "n", "rows")
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
+    src = ASTSource(fn=mrs._matmul_rs_kernel, signature=sig, constexprs=const, attrs=attrs)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    assert compiled.metadata.shared <= 227 * 1024, (
+        f"{config}: {compiled.metadata.shared} bytes of shared memory"
+    )
+    return compiled.asm["ptx"]
+
+
+def check_sm90_ptx() -> None:
+    """Compile the kernel for sm_90 with the table's configs and check the PTX has what the design
+    relies on. Runs in a process without TRITON_INTERPRET (the interpreter replaces @triton.jit)."""
+    for world, config, b_kn in [(4, mrs.pick_config(4096), False), (2, mrs.pick_config(1024), True),
+                                (8, mrs.pick_config(8192), True)]:  # fmt: skip
+        ptx = _compile_sm90(world, config, b_kn)
+        what = f"world {world} {config} kn={b_kn}"
+        assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, f"{what}: no wgmma / TMA loads"
+        assert "st.global.v4" in ptx and "ld.global.cg.v4" in ptx, f"{what}: pushes and reads not 16-byte"
+        assert "atom.global.sys.release" in ptx or "atom.release.sys" in ptx, f"{what}: no system release"
+        assert "ld.acquire.sys" in ptx and "%globaltimer" in ptx, f"{what}: waits must be bounded acquires"
+
+
+def test_kernel_compiles_for_sm90() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "from tests.test_matmul_rs import check_sm90_ptx; check_sm90_ptx()"
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
 
 
 # ------------------------------------------------------------------------------------ CPU: layout, validation
