@@ -34,8 +34,9 @@ One call (every rank runs the same grid; program p has the same rows on every ra
 So the layout change costs no pass of its own: the only copy besides the NVLink stores is the
 destination's copy-out, pipelined one chunk behind the pushes.
 
-Buffer: one symmetric allocation per (group, size class): [flags | image 0 | image 1]. An image has
-the layout of the call's outputs; call n uses image n & 1 (the buffer's epoch parity), so no exit
+Buffer: one symmetric allocation per (group, size class): [flags | image 0 | image 1], each image half
+of the space after the flags. An image has the layout of the call's outputs; call n uses image n & 1
+(the buffer's epoch parity), so no exit
 barrier: a peer writes image n & 1 again in call n + 2, which it starts after its call n + 1 saw this
 rank's flags of call n + 1, i.e. after this rank finished call n (every call waits on every peer).
 Flags (int32, zeroed once) are written with epoch + 1 and only grow; the epoch, status word and
@@ -184,7 +185,7 @@ def _flag_index(pid, src, chunk):
 @triton.jit
 def _all_to_all_kernel(
     ins, strides, outs, image_offsets,
-    buf_ptrs, base_offset, image_bytes, epoch_ptr, status_ptr,
+    buf_ptrs, base_offset, image_stride, epoch_ptr, status_ptr,
     n_rows, seq_local, block_rows, timeout_ns,
     HEADS: tl.constexpr, REPS: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     HEAD_DIM: tl.constexpr, VEC: tl.constexpr, SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
@@ -195,7 +196,7 @@ def _all_to_all_kernel(
     nprog = tl.num_programs(0)
     epoch = load_epoch(epoch_ptr, pid)
     DT: tl.constexpr = outs[0].dtype.element_ty
-    image = base_offset + FLAG_BYTES + (epoch & 1).to(tl.int64) * image_bytes
+    image = base_offset + FLAG_BYTES + (epoch & 1).to(tl.int64) * image_stride
     n_chunks = tl.cdiv(tl.cdiv(n_rows, block_rows) - pid, nprog)
     my_flags = (tl.load(buf_ptrs.to(tl.pointer_type(tl.uint64)) + RANK).to(tl.int64) + base_offset).to(
         tl.pointer_type(tl.int32)
@@ -328,6 +329,12 @@ def buffer_bytes(image_bytes: int) -> int:
     return FLAG_BYTES.value + 2 * image_bytes
 
 
+def image_stride(buffer_nbytes: int) -> int:
+    """Bytes from image 0 to image 1 in a buffer of `buffer_nbytes`: half the space after the flags,
+    fixed per buffer, so calls of any size on one buffer never overlap the other parity's image."""
+    return (buffer_nbytes - FLAG_BYTES.value) // 2 // IMAGE_ALIGN * IMAGE_ALIGN
+
+
 def schedule(n_rows: int, row_bytes: int, max_programs: int) -> tuple[int, int]:
     """(block_rows, programs): rows per block and the grid. Blocks carry at least CHUNK_BYTES (the
     pipeline step) and no program gets more than MAX_CHUNKS blocks. Pure: CPU-testable."""
@@ -408,8 +415,11 @@ def launch_all_to_all(
         if not o.is_cuda or o.data_ptr() % VECTOR_BYTES:
             raise ValueError("all_to_all: outputs must be 16-byte aligned CUDA tensors from new_output")
     offsets, image_bytes = image_layout([o.shape for o in outs], x0.element_size())
-    if buffer_bytes(image_bytes) > buf.nbytes:
-        raise ValueError(f"all_to_all: {buffer_bytes(image_bytes)} bytes needed, the buffer has {buf.nbytes}")
+    stride = image_stride(buf.nbytes)
+    if image_bytes > stride:
+        raise ValueError(
+            f"all_to_all: images of {image_bytes} bytes need a buffer of {buffer_bytes(image_bytes)}"
+        )
     n_rows = bsz * seq_local
     if n_rows == 0:
         return
@@ -422,7 +432,7 @@ def launch_all_to_all(
     block_rows, programs = schedule(n_rows, row_bytes, max_programs)
     _all_to_all_kernel[(programs,)](
         tuple(xs), tuple(tuple(s // vec for s in x.stride()[:3]) for x in xs), tuple(outs), tuple(offsets),
-        buf.buffer_ptrs_dev, buf.base_offset, image_bytes, buf.epoch, buf.status,
+        buf.buffer_ptrs_dev, buf.base_offset, stride, buf.epoch, buf.status,
         n_rows, seq_local, block_rows, timeout_ns,
         HEADS=heads, REPS=reps, RANK=rank, WORLD=world, HEAD_DIM=dim, VEC=vec,
         SEQ_TO_HEADS=seq_to_heads, TILE=tile, OP=SEQ_TO_HEADS_OP if seq_to_heads else HEADS_TO_SEQ_OP,

@@ -26,8 +26,10 @@ import triton.language as tl
 
 from kernels.all_to_all import (
     CHUNK_BYTES,
+    FLAG_BYTES,
     MAX_CHUNKS,
     all_to_all_kernel,
+    buffer_bytes,
     check,
     check_inputs,
     copy_out_rows,
@@ -35,6 +37,7 @@ from kernels.all_to_all import (
     heads_to_seq,
     heads_to_seq_reference,
     image_layout,
+    image_stride,
     launch_all_to_all,
     new_output,
     output_shape,
@@ -46,7 +49,7 @@ from kernels.all_to_all import (
     seq_to_heads,
     seq_to_heads_reference,
 )
-from kernels.symm_mem import SymmMemTimeout
+from kernels.symm_mem import SymmMemTimeout, size_class
 from tests.multiprocess import run_ranks
 
 # ------------------------------------------------------------------------------- the definition
@@ -235,6 +238,9 @@ def test_layout_helpers() -> None:
     assert output_shape((2, 2, 20, 16), 4, False) == (2, 8, 5, 16)
     out = new_output((2, 3, 5, 16), True, torch.empty(0))
     assert out.transpose(1, 2).is_contiguous()
+    for image in (256, 3 << 20, (384 << 20) + 256, 1 << 30):  # both images fit the buffer allocated for them
+        total = size_class(buffer_bytes(image))
+        assert image <= image_stride(total) and FLAG_BYTES.value + 2 * image_stride(total) <= total
     offsets, nbytes = image_layout([(1, 2, 3, 8), (1, 1, 3, 8)], 2)
     assert offsets == [0, 128] and nbytes == 512  # 96 and 48 bytes, each rounded to 256
     assert readable(torch.empty(2, 5, 4, 16).transpose(1, 2))
@@ -298,7 +304,7 @@ def _compile_sm90(seq_to_heads: bool, world: int, dtype: torch.dtype, heads: tup
     ty = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"}[dtype]
     sig = {
         "ins": (ty,) * n, "strides": (("i64",) * 3,) * n, "outs": (ty,) * n, "image_offsets": ("i64",) * n,
-        "buf_ptrs": "i64", "base_offset": "i64", "image_bytes": "i64", "epoch_ptr": "*i32",
+        "buf_ptrs": "i64", "base_offset": "i64", "image_stride": "i64", "epoch_ptr": "*i32",
         "status_ptr": "*i32", "n_rows": "i32", "seq_local": "i32", "block_rows": "i32", "timeout_ns": "i64",
     }  # fmt: skip
     vec = 16 // torch.empty((), dtype=dtype).element_size()

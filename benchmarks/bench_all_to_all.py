@@ -1,0 +1,191 @@
+"""Ulysses all-to-all bandwidth: weft's kernel (kernels/all_to_all.py) against the stock path
+(permute + `all_to_all_single` + permute) and the bare `all_to_all_single` on a contiguous buffer,
+plus one Ulysses attention layer on each path.
+
+    torchrun --nproc_per_node=4 benchmarks/bench_all_to_all.py [--seqs 32768 131072] [--heads 32 8]
+
+Shapes: B=1, D=128, bf16, S the global sequence, H query heads with H/4 key/value heads (GQA; fewer kv
+heads than ranks are replicated by the exchange). Rows:
+* `seq_to_heads q`: q alone; `seq_to_heads qkv`: q, k, v in one call (ours: one launch); `heads_to_seq o`:
+  the way back for the attention output. Inputs are the model's [B, H, S/W, D] transpose views.
+* `bare`: `all_to_all_single` on a contiguous buffer of the same bytes (no layout change).
+GB/s per rank = bytes leaving a rank / time (the (W-1)/W of the exchanged data that goes to peers).
+Every rank times every case with CUDA events (median); the figure is the slowest rank's median.
+Attention: SDPA (causal, flash) at S=32768 wrapped in Ulysses on the torch and the triton path, forward
+and forward+backward milliseconds. Rank 0 writes benchmarks/results/all_to_all-<device>.{json,md}.
+Before timing, every case checks ours == stock exactly and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import markdown_table, time_events, write_results
+from kernels.all_to_all import (
+    check,
+    heads_to_seq,
+    heads_to_seq_reference,
+    replicate_heads,
+    seq_to_heads,
+    seq_to_heads_reference,
+)
+
+DIM = 128
+DTYPE = torch.bfloat16
+
+
+def slowest(ms: float) -> float:
+    t = torch.tensor([ms], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def timed(fn, iters: int) -> float:
+    torch.cuda.synchronize()
+    dist.barrier()
+    return slowest(time_events(fn, iters=iters, warmup=3))
+
+
+def exchange_rows(seq: int, heads: int, world: int, rank: int, iters: int) -> list[dict]:
+    local = seq // world
+    torch.manual_seed(rank)
+    q, k, v = (
+        torch.randn(1, local, h, DIM, device="cuda", dtype=DTYPE).transpose(1, 2)
+        for h in (heads, max(1, heads // 4), max(1, heads // 4))
+    )
+    o = torch.randn(1, heads // world, seq, DIM, device="cuda", dtype=DTYPE)
+    cases = {
+        "seq_to_heads q": ([q], seq_to_heads, seq_to_heads_reference),
+        "seq_to_heads qkv": ([q, k, v], seq_to_heads, seq_to_heads_reference),
+        "heads_to_seq o": ([o], heads_to_seq, heads_to_seq_reference),
+    }
+    rows = []
+    for name, (xs, ours, stock) in cases.items():
+        exact = all(torch.equal(a, b) for a, b in zip(ours(xs), stock(xs), strict=True))
+        torch.cuda.synchronize()
+        check()
+        flag = torch.tensor([0 if exact else 1], device="cuda")
+        dist.all_reduce(flag)
+        if rank == 0:
+            print(f"S={seq} H={heads} {name}: ours == stock on every rank: {flag.item() == 0}", flush=True)
+        # Elements a rank exchanges (replicated kv heads counted once per receiving rank); (W-1)/W leave.
+        total = sum(replicate_heads(x, world).numel() for x in xs) if ours is seq_to_heads else o.numel()
+        nbytes = total * o.element_size() * (world - 1) // world
+        flat = torch.randn(total, device="cuda", dtype=DTYPE)
+        ms = {
+            "ours": timed(lambda xs=xs, f=ours: f(xs), iters),
+            "stock": timed(lambda xs=xs, f=stock: f(xs), iters),
+            "bare": timed(partial(dist.all_to_all_single, torch.empty_like(flat), flat), iters),
+        }
+        check()
+        gbs = {key: nbytes / (t * 1e-3) / 1e9 for key, t in ms.items()}
+        rows.append(
+            {
+                "S": seq,
+                "H": heads,
+                "case": name,
+                "MiB leaving": nbytes / 2**20,
+                "ours ms": ms["ours"],
+                "stock ms": ms["stock"],
+                "bare a2a ms": ms["bare"],
+                "ours GB/s": gbs["ours"],
+                "stock GB/s": gbs["stock"],
+                "bare a2a GB/s": gbs["bare"],
+                "stock / ours": ms["stock"] / ms["ours"],
+                "exact on every rank": flag.item() == 0,
+            }
+        )
+        if rank == 0:
+            print(rows[-1], flush=True)
+    return rows
+
+
+def attention_rows(seq: int, heads: int, world: int, rank: int, iters: int) -> list[dict]:
+    from model.llama import sdpa_attention
+    from parallel.comm import make_comm
+    from parallel.ulysses import ulysses_attention
+
+    group = dist.group.WORLD
+    local = seq // world
+    torch.manual_seed(rank)
+    base = [
+        torch.randn(1, local, h, DIM, device="cuda", dtype=DTYPE) for h in (heads, heads // 4, heads // 4)
+    ]
+    leaves = [b.requires_grad_() for b in base]
+    grad = torch.randn(1, heads, local, DIM, device="cuda", dtype=DTYPE)
+    rows = []
+    for path in ("torch", "triton"):
+        attn = ulysses_attention(sdpa_attention, group, make_comm(path, group))
+
+        def forward(attn=attn):
+            with torch.no_grad():
+                return attn(*(t.transpose(1, 2) for t in leaves), None)
+
+        def forward_backward(attn=attn):
+            out = attn(*(t.transpose(1, 2) for t in leaves), None)
+            out.backward(grad)
+
+        rows.append(
+            {
+                "S": seq,
+                "H": heads,
+                "case": f"attention layer, {path} path",
+                "fwd ms": timed(forward, iters),
+                "fwd+bwd ms": timed(forward_backward, iters),
+            }
+        )
+        if rank == 0:
+            print(rows[-1], flush=True)
+    check()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqs", type=int, nargs="+", default=[32768, 131072])
+    p.add_argument("--heads", type=int, nargs="+", default=[32, 8])
+    p.add_argument("--attention-seq", type=int, default=32768)
+    p.add_argument("--iters", type=int, default=30)
+    args = p.parse_args()
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        print(f"{world} ranks on {torch.cuda.get_device_name()}", flush=True)
+
+    rows = []
+    for seq in args.seqs:
+        for heads in args.heads:
+            rows += exchange_rows(seq, heads, world, rank, args.iters)
+            torch.cuda.empty_cache()
+    attention = attention_rows(args.attention_seq, max(args.heads), world, rank, max(5, args.iters // 3))
+
+    if rank == 0:
+        notes = (
+            f"B=1 D={DIM} bf16 over {world} GPUs, S the global sequence, H query heads and H/4 kv heads. "
+            "ours: kernels/all_to_all.py (SM stores into the destination's symmetric buffer at the final "
+            "offset, pipelined copy-out; q, k, v in one launch); stock: permute + all_to_all_single (NCCL) "
+            "+ permute; bare: all_to_all_single on a contiguous buffer of the same bytes. GB/s per rank = "
+            "bytes leaving a rank / time; ms = slowest rank's median of CUDA-event timings. Attention: SDPA "
+            "causal in Ulysses on each comm path. Command: torchrun --nproc_per_node="
+            f"{world} benchmarks/bench_all_to_all.py"
+        )
+        notes += "\n\nOne Ulysses attention layer (SDPA causal, bf16):\n\n" + markdown_table(attention)
+        write_results("all_to_all", rows, notes)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
