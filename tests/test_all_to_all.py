@@ -282,6 +282,19 @@ def reference_on_rank(rank: int, world: int) -> None:
     back = heads_to_seq_reference(outs)
     for full, out in zip(fulls, back, strict=True):
         assert torch.equal(out, expected_heads_to_seq(replicate_heads(full, world), rank, world))
+    with pytest.raises(ValueError, match=r"needs CUDA tensors, got cpu: use parallel\.comm=torch"):
+        seq_to_heads(outs)
+
+
+def test_triton_path_finds_the_kernels() -> None:
+    from parallel.comm import TRITON_KERNELS, check_ops
+    from parallel.ulysses import ULYSSES_OPS
+
+    check_ops("triton", ULYSSES_OPS)
+    assert {TRITON_KERNELS[op] for op in ULYSSES_OPS} == {
+        ("kernels.all_to_all", "seq_to_heads"),
+        ("kernels.all_to_all", "heads_to_seq"),
+    }
 
 
 def test_reference_on_gloo() -> None:
