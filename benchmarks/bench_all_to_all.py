@@ -31,9 +31,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import markdown_table, time_events, write_results
 from kernels.all_to_all import (
+    DEFAULT_TIMEOUT_S,
     check,
     heads_to_seq,
     heads_to_seq_reference,
+    image_layout,
+    launch_all_to_all,
+    new_output,
+    output_shape,
+    prepare,
     replicate_heads,
     seq_to_heads,
     seq_to_heads_reference,
@@ -109,6 +115,29 @@ def exchange_rows(seq: int, heads: int, world: int, rank: int, iters: int) -> li
     return rows
 
 
+def chunk_sweep(seq: int, heads: int, world: int, rank: int, iters: int) -> list[dict]:
+    """q, k, v seq_to_heads through the launcher alone (outputs allocated once) at several pipeline
+    depths (chunks per program): the source of TARGET_CHUNKS in kernels/all_to_all.py."""
+    torch.manual_seed(rank)
+    xs = [
+        torch.randn(1, seq // world, h, DIM, device="cuda", dtype=DTYPE).transpose(1, 2)
+        for h in (heads, heads // 4, heads // 4)
+    ]
+    outs = [new_output(output_shape(x.shape, world, True), True, x) for x in xs]
+    _, image_bytes = image_layout([o.shape for o in outs], DTYPE.itemsize)
+    buf = prepare(dist.group.WORLD, image_bytes)
+    nbytes = sum(replicate_heads(x, world).numel() for x in xs) * DTYPE.itemsize * (world - 1) // world
+    rows = []
+    for chunks in (2, 4, 8, 16, 32, 64):
+        run = partial(launch_all_to_all, buf, xs, outs, True, int(DEFAULT_TIMEOUT_S * 1e9), chunks=chunks)
+        ms = timed(run, iters)
+        rows.append({"S": seq, "H": heads, "chunks per program": chunks, "ms": ms, "GB/s": nbytes / ms / 1e6})
+        if rank == 0:
+            print(rows[-1], flush=True)
+    check()
+    return rows
+
+
 def attention_rows(seq: int, heads: int, world: int, rank: int, iters: int) -> list[dict]:
     from model.llama import sdpa_attention
     from parallel.comm import make_comm
@@ -169,6 +198,7 @@ def main() -> None:
         for heads in args.heads:
             rows += exchange_rows(seq, heads, world, rank, args.iters)
             torch.cuda.empty_cache()
+    sweep = chunk_sweep(min(args.seqs), max(args.heads), world, rank, args.iters)
     attention = attention_rows(args.attention_seq, max(args.heads), world, rank, max(5, args.iters // 3))
 
     if rank == 0:
@@ -182,6 +212,7 @@ def main() -> None:
             f"{world} benchmarks/bench_all_to_all.py"
         )
         notes += "\n\nOne Ulysses attention layer (SDPA causal, bf16):\n\n" + markdown_table(attention)
+        notes += "\nPipeline depth, q/k/v seq_to_heads, launcher only:\n\n" + markdown_table(sweep)
         write_results("all_to_all", rows, notes)
     dist.barrier()
     dist.destroy_process_group()

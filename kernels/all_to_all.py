@@ -78,7 +78,11 @@ VECTOR_BYTES = 16
 MAX_CHUNKS = tl.constexpr(64)  # chunks per program: flags per (program, source rank)
 FLAG_BYTES = tl.constexpr(MAX_BLOCKS.value * MAX_WORLD.value * MAX_CHUNKS.value * 4)
 IMAGE_ALIGN = 256
-CHUNK_BYTES = 64 << 10  # bytes a program pushes per chunk (all tensors, all destinations), at least
+# The pipeline: a program's rows are cut into about TARGET_CHUNKS chunks (the last chunk's copy-out is
+# the part not hidden behind pushes), each of at least MIN_CHUNK_BYTES (every chunk costs a release of
+# its flags, which waits for its remote stores).
+TARGET_CHUNKS = 16
+MIN_CHUNK_BYTES = 16 << 10
 BUFFER_TAG = "all_to_all"
 SEQ_TO_HEADS_OP = op_id("all_to_all seq_to_heads")
 HEADS_TO_SEQ_OP = op_id("all_to_all heads_to_seq")
@@ -335,19 +339,20 @@ def image_stride(buffer_nbytes: int) -> int:
     return (buffer_nbytes - FLAG_BYTES.value) // 2 // IMAGE_ALIGN * IMAGE_ALIGN
 
 
-def schedule(n_rows: int, row_bytes: int, max_programs: int) -> tuple[int, int]:
-    """(block_rows, programs): rows per block and the grid. Blocks carry at least CHUNK_BYTES (the
-    pipeline step) and no program gets more than MAX_CHUNKS blocks. Pure: CPU-testable."""
-    if n_rows < 1 or row_bytes < 1 or max_programs < 1:
+def schedule(n_rows: int, row_bytes: int, max_programs: int, chunks: int = TARGET_CHUNKS) -> tuple[int, int]:
+    """(block_rows, programs): rows per block (one chunk of a program) and the grid. About `chunks`
+    chunks per program, each of at least MIN_CHUNK_BYTES, never more than MAX_CHUNKS; every program
+    gets at least one block. Pure: CPU-testable."""
+    if min(n_rows, row_bytes, max_programs, chunks) < 1:
         raise ValueError(
-            f"need positive rows, row bytes and programs, got {n_rows}, {row_bytes}, {max_programs}"
+            f"need positive rows, row bytes, programs and chunks, got {n_rows}, {row_bytes}, {max_programs}, "
+            f"{chunks}"
         )
-    block_rows = max(1, min(n_rows, -(-CHUNK_BYTES // row_bytes)))
-    programs = min(max_programs, MAX_BLOCKS.value, -(-n_rows // block_rows))
-    while -(-n_rows // (block_rows * programs)) > MAX_CHUNKS.value:
-        block_rows *= 2
-    programs = min(programs, -(-n_rows // block_rows))
-    return block_rows, programs
+    programs = min(max_programs, MAX_BLOCKS.value)
+    rows_per_program = -(-n_rows // programs)
+    block_rows = max(-(-rows_per_program // min(chunks, MAX_CHUNKS.value)), -(-MIN_CHUNK_BYTES // row_bytes))
+    block_rows = min(block_rows, n_rows)
+    return block_rows, min(programs, -(-n_rows // block_rows))
 
 
 # (group name, tag, id) -> the buffers whose flags this module has zeroed (weak: kernels/symm_mem.py's
@@ -394,6 +399,7 @@ def launch_all_to_all(
     num_warps: int = 8,
     tile: int = 8192,
     max_programs: int | None = None,
+    chunks: int = TARGET_CHUNKS,
 ) -> None:
     """Run the kernel: `outs` (from `new_output`) receive the exchange of `xs` (kernel-`readable`)."""
     world, rank = buf.world_size, buf.rank
@@ -429,7 +435,7 @@ def launch_all_to_all(
         if device not in _NUM_SMS:
             _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
         max_programs = _NUM_SMS[device]
-    block_rows, programs = schedule(n_rows, row_bytes, max_programs)
+    block_rows, programs = schedule(n_rows, row_bytes, max_programs, chunks)
     _all_to_all_kernel[(programs,)](
         tuple(xs), tuple(tuple(s // vec for s in x.stride()[:3]) for x in xs), tuple(outs), tuple(offsets),
         buf.buffer_ptrs_dev, buf.base_offset, stride, buf.epoch, buf.status,

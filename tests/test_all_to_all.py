@@ -25,9 +25,9 @@ import triton
 import triton.language as tl
 
 from kernels.all_to_all import (
-    CHUNK_BYTES,
     FLAG_BYTES,
     MAX_CHUNKS,
+    MIN_CHUNK_BYTES,
     all_to_all_kernel,
     buffer_bytes,
     check,
@@ -218,18 +218,22 @@ def test_heads_to_seq_reads_strided_inputs() -> None:
 
 @pytest.mark.parametrize("n_rows", [1, 7, 1000 + 8, 8192, 32768, 1 << 20])
 @pytest.mark.parametrize("row_bytes", [64, 12288, 8192 * 4])
-def test_schedule_covers_rows_within_the_flags(n_rows: int, row_bytes: int) -> None:
-    block_rows, programs = schedule(n_rows, row_bytes, 132)
+@pytest.mark.parametrize("chunks", [1, 16, 1000])
+def test_schedule_covers_rows_within_the_flags(n_rows: int, row_bytes: int, chunks: int) -> None:
+    block_rows, programs = schedule(n_rows, row_bytes, 132, chunks)
     n_blocks = -(-n_rows // block_rows)
     assert 1 <= programs <= min(128, n_blocks), "every program has a block; at most 128 programs"
-    assert -(-n_blocks // programs) <= MAX_CHUNKS.value, "chunks per program fit the flags"
-    assert block_rows * row_bytes >= min(CHUNK_BYTES, n_rows * row_bytes), "blocks carry a pipeline step"
+    assert -(-n_blocks // programs) <= min(chunks, MAX_CHUNKS.value), "chunks per program fit the flags"
+    assert block_rows * row_bytes >= min(MIN_CHUNK_BYTES, n_rows * row_bytes), "no tiny pipeline steps"
 
 
-def test_issue_shapes_use_every_program() -> None:
-    # B=1, S=32768, W=4, q+k+v (32 + 8 + 8 heads of 128 bf16): 8192 rows of 12 KiB per rank
-    block_rows, programs = schedule(8192, 4 * 48 * 128 * 2, 132)
-    assert programs == 128 and block_rows * programs * 4 <= 8192 * 4
+@pytest.mark.parametrize("heads", [48, 12])  # H=32 or 8 query heads, H/4 kv heads; 128 bf16 each
+def test_issue_shapes_pipeline_on_every_program(heads: int) -> None:
+    for seq in (32768, 131072):
+        n_rows, row_bytes = seq // 4, heads * 128 * 2  # per rank at W=4
+        block_rows, programs = schedule(n_rows, row_bytes, 132)
+        chunks = -(-n_rows // (block_rows * programs))
+        assert programs == 128 and 8 <= chunks <= 16, (seq, heads, block_rows, chunks)
 
 
 def test_layout_helpers() -> None:
