@@ -273,6 +273,14 @@ TRITON_KERNELS: dict[str, tuple[str, str]] = {
 }
 
 
+def _no_kernel(op: str) -> str:
+    module, attr = TRITON_KERNELS[op]
+    return (
+        f"has no Triton kernel yet ({module}.{attr} does not exist): "
+        "use parallel.comm=torch or parallel.comm=symm_mem"
+    )
+
+
 def _find_kernel(op: str):
     module_name, attr = TRITON_KERNELS[op]
     try:
@@ -301,13 +309,7 @@ class TritonComm(Comm):
             get_custom_all_reduce(group)
 
     def available(self, op: str) -> str | None:
-        if self._kernels.get(op) is None:
-            module, attr = TRITON_KERNELS[op]
-            return (
-                f"has no Triton kernel yet ({module}.{attr} does not exist): "
-                "use parallel.comm=torch or parallel.comm=symm_mem"
-            )
-        return None
+        return None if self._kernels.get(op) is not None else _no_kernel(op)
 
     def _kernel(self, op: str):
         self.require([op])
@@ -339,11 +341,7 @@ def check_ops(path: str, ops: Sequence[str]) -> None:
         return
     for op in ops:
         if _find_kernel(op) is None:
-            module, attr = TRITON_KERNELS[op]
-            raise CommUnavailable(
-                f"parallel.comm=triton: {op} has no Triton kernel yet ({module}.{attr} does not exist): "
-                "use parallel.comm=torch or parallel.comm=symm_mem"
-            )
+            raise CommUnavailable(f"parallel.comm=triton: {op} {_no_kernel(op)}")
 
 
 def make_comm(path: str, group: dist.ProcessGroup, require: Sequence[str] = ()) -> Comm:

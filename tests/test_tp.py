@@ -277,14 +277,11 @@ def test_bad_layouts_fail_with_one_line_errors() -> None:
         ValueError, match=r"parallel\.comm=symm_mem needs CUDA GPUs; on cpu use parallel\.comm=torch"
     ):
         validate_device(ParallelDims(1, 1, 2, comm="symm_mem"), torch.device("cpu"))
-    # The triton path before its AG-matmul kernel exists: training refuses, naming the op; decode runs
-    # on kernels/custom_all_reduce.py.
-    with pytest.raises(
-        CommUnavailable, match=r"parallel\.comm=triton: all_gather_matmul has no Triton kernel"
-    ):
-        validate_comm_ops(ParallelDims(1, 1, 2, comm="triton"), training=True)
+    # Every op the triton path calls has its kernel in kernels/; a missing one is refused up front,
+    # naming the op (see test_triton_path_names_missing_ops).
+    validate_comm_ops(ParallelDims(1, 1, 2, comm="triton"), training=True)
     validate_comm_ops(ParallelDims(1, 1, 2, comm="triton"), training=False)
-    validate_comm_ops(ParallelDims(1, 2, 1, comm="triton"), training=True)  # kernels/all_to_all.py
+    validate_comm_ops(ParallelDims(1, 2, 1, comm="triton"), training=True)
 
 
 def _comm_errors(rank: int, world: int) -> None:
@@ -302,11 +299,26 @@ def test_gpu_comm_paths_refuse_cpu() -> None:
 
 
 def test_triton_path_names_missing_ops(monkeypatch) -> None:
+    """An op whose kernel is not in kernels/ is refused by name: before any work (validate_comm_ops)
+    and by the comm object itself; the ops whose kernels exist stay available."""
     import kernels.custom_all_reduce
     import parallel.comm as comm_module
 
     monkeypatch.setattr(comm_module, "_check_cuda_peers", lambda group, path: None)
     monkeypatch.setattr(kernels.custom_all_reduce, "get_custom_all_reduce", lambda group: None)
+    monkeypatch.setitem(
+        comm_module.TRITON_KERNELS, "matmul_reduce_scatter", ("kernels.matmul_rs", "no_such_kernel")
+    )
+    monkeypatch.setitem(comm_module.TRITON_KERNELS, "seq_to_heads", ("kernels.no_such_module", "f"))
+    with pytest.raises(
+        CommUnavailable,
+        match=r"parallel\.comm=triton: matmul_reduce_scatter has no Triton kernel yet "
+        r"\(kernels\.matmul_rs\.no_such_kernel does not exist\)",
+    ):
+        validate_comm_ops(ParallelDims(1, 1, 2, comm="triton"), training=True)
+    with pytest.raises(CommUnavailable, match=r"seq_to_heads has no Triton kernel yet"):
+        validate_comm_ops(ParallelDims(1, 2, 1, comm="triton"), training=True)
+    validate_comm_ops(ParallelDims(1, 1, 2, comm="triton"), training=False)
 
     class Group:
         group_name = "fake"
@@ -314,11 +326,9 @@ def test_triton_path_names_missing_ops(monkeypatch) -> None:
     monkeypatch.setattr(comm_module.dist, "get_world_size", lambda group: 2)
     monkeypatch.setattr(comm_module.dist, "get_rank", lambda group: 0)
     comm = comm_module.TritonComm(Group())
-    with pytest.raises(
-        CommUnavailable, match=r"parallel\.comm=triton: all_gather_matmul has no Triton kernel yet"
-    ):
-        comm.require(["all_gather_matmul"])
-    assert comm.available("all_reduce") is None  # kernels/custom_all_reduce.py
+    assert comm.available("all_reduce") is None and comm.available("all_gather_matmul") is None
+    with pytest.raises(CommUnavailable, match=r"parallel\.comm=triton: seq_to_heads has no Triton kernel"):
+        comm.require(["all_gather_matmul", "seq_to_heads"])
     with pytest.raises(CommUnavailable, match=r"matmul_reduce_scatter has no Triton kernel yet"):
         comm.matmul_reduce_scatter(torch.zeros(2, 2), torch.zeros(2, 2), 0)
 
