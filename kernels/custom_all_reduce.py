@@ -55,10 +55,10 @@ KiB, MiB = 1 << 10, 1 << 20
 # 4x H200 sweep (`--sweep` of benchmarks/bench_all_reduce.py prints every algorithm's column).
 # The one-shot / two-shot crossovers:
 # World 2 (`torchrun --nproc_per_node=2 -m benchmarks.bench_all_reduce --sweep` on 2x H200,
-# benchmarks/results/all_reduce_sweep-2xh200.md): one-shot was faster than two-shot at every size from
+# benchmarks/results/all_reduce_sweep-h200-x2.md): one-shot was faster than two-shot at every size from
 # 4 KiB to 32 MiB (two GPUs: both move the same bytes, two-shot pays a second barrier).
 # World 4 (`torchrun --nproc_per_node=4 -m benchmarks.bench_all_reduce` on 4x H200,
-# benchmarks/results/all_reduce-4xh200.md): one-shot faster up to 512 KiB (12.1 vs 13.1 us), two-shot
+# benchmarks/results/all_reduce-h200-x4.md): one-shot faster up to 512 KiB (12.1 vs 13.1 us), two-shot
 # from 1 MiB (15.4 vs 18.1 us). World 8 is NOT measured (no 8-GPU machine was lent): one-shot reads
 # (W - 1) x size per rank, two-shot 2 (W - 1) / W x size, so the crossover is placed at a quarter of
 # world 4's: replace with a sweep on 8 GPUs.
@@ -89,7 +89,7 @@ class LaunchRow:
 
 
 # First row whose max_bytes >= the message size. From the 2x H200 launch sweep
-# (all_reduce_sweep-2xh200.md): small messages are fastest with 4 warps and one 16-byte vector per
+# (all_reduce_sweep-h200-x2.md): small messages are fastest with 4 warps and one 16-byte vector per
 # thread spread over as many programs as that takes; from ~64 KiB more warps and up to 64 programs;
 # beyond 1 MiB (bandwidth-bound) up to 128 programs, one per SM.
 LAUNCH: dict[str, tuple[LaunchRow, ...]] = {

@@ -176,6 +176,7 @@ CASES = [
     (4, 2, 5, 16, torch.float32, (8, 2, 2)),  # ragged chunk, GQA with kv heads replicated
     (4, 1, 3, 8, torch.float32, (4, 4, 4)),
     (4, 2, 3, 16, torch.bfloat16, (8, 1, 1)),
+    (8, 1, 3, 8, torch.bfloat16, (8, 2, 2)),  # world 8: every kv head replicated to 4 ranks
 ]
 
 
