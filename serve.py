@@ -20,6 +20,7 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
+from torch.distributed.device_mesh import DeviceMesh
 
 from benchmarks.common import environment, markdown_table
 from configs.launch import launch
@@ -28,9 +29,10 @@ from model.args import ModelArgs
 from model.fp8 import check_fp8_device, convert_to_fp8
 from model.generate import DecodeStep, generate, prefill
 from model.llama import Llama
-from model.loading import load_weights_into, resolve_init_weights, tokenizer_dir
+from model.loading import resolve_init_weights, tokenizer_dir
 from model.tokenizer import load_tokenizer
 from parallel import distributed
+from parallel.checkpoint import materialize
 from parallel.mesh import build_mesh, validate_comm_ops, validate_model
 from parallel.parallelize import ParallelizeConfig, parallelize_llama
 from train import resolve_device
@@ -38,16 +40,26 @@ from train import resolve_device
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def build_model(args: ModelArgs, checkpoint: Path | None, device: torch.device, dtype: torch.dtype) -> Llama:
-    """The model in `dtype` on `device`: a checkpoint's weights, or random ones of the preset."""
+def build_model(
+    args: ModelArgs,
+    checkpoint: Path | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    mesh: DeviceMesh | None = None,
+    comm: str = "torch",
+) -> Llama:
+    """The model in `dtype` on `device`: a checkpoint's weights, or random ones of the preset. With a
+    `mesh` whose tp > 1 it is tensor-parallel for decode over `comm` (no sequence parallelism; row-parallel
+    outputs all-reduced, full logits gathered for sampling), planned on the meta device so that each
+    rank only ever materialises its slice (a 70B model fits in 8 GPUs' memory this way)."""
     with torch.device("meta"):
         model = Llama(args)
-    # Materialise directly in the serving dtype (an 8B model in fp32 would need twice the memory);
-    # init_weights() then rebuilds the rotary table in fp32.
-    model.to_empty(device=device).to(dtype)
-    model.init_weights()
-    if checkpoint is not None:
-        load_weights_into(model, checkpoint)
+    if mesh is not None:
+        plan = ParallelizeConfig(comm=comm, sequence_parallel=False, fsdp=False)
+        parallelize_llama(model, mesh, plan)
+    # Materialised directly in the serving dtype (an 8B model in fp32 would need twice the memory);
+    # the init rebuilds the rotary table in fp32.
+    materialize(model, device, checkpoint, dtype)
     if args.fp8:
         check_fp8_device(device)
         if dtype != torch.bfloat16:
@@ -171,12 +183,8 @@ def run(cfg: ServeConfig, run_dir: Path) -> None:
     torch.manual_seed(cfg.seed)
     checkpoint, args = resolve_init_weights(cfg.checkpoint, OmegaConf.to_object(cfg.model))
     validate_model(dims, args, training=False)
-    model = build_model(args, checkpoint, device, dtype)
-    if dims.tp > 1:
-        # Decode: no sequence parallelism; row-parallel outputs all-reduced through parallel.comm,
-        # full logits gathered for sampling. Each rank keeps its slice of the full weights loaded above.
-        plan = ParallelizeConfig(comm=dims.comm, sequence_parallel=False, fsdp=False)
-        parallelize_llama(model, build_mesh(dims, device.type), plan)
+    mesh = build_mesh(dims, device.type) if dims.tp > 1 else None
+    model = build_model(args, checkpoint, device, dtype, mesh, dims.comm)
     is_main = distributed.rank() == 0
 
     if cfg.mode == "generate":

@@ -31,10 +31,15 @@ from model.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from model.data import build_dataset, load_documents
 from model.hf import export_hf
 from model.llama import Llama
-from model.loading import load_weights_into, resolve_init_weights, tokenizer_dir
+from model.loading import resolve_init_weights, tokenizer_dir
 from model.tokenizer import load_tokenizer, save_tokenizer
 from parallel import distributed
-from parallel.checkpoint import full_model_state, load_parallel_checkpoint, save_parallel_checkpoint
+from parallel.checkpoint import (
+    full_model_state,
+    load_parallel_checkpoint,
+    materialize,
+    save_parallel_checkpoint,
+)
 from parallel.loss import cross_entropy
 from parallel.mesh import build_mesh, validate_comm_ops, validate_model
 from parallel.parallelize import (
@@ -193,12 +198,9 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
 
     with torch.device("meta"):
         model = Llama(args)
-    model.to_empty(device=device)
-    model.init_weights()
-    if init_path is not None:
-        load_weights_into(model, init_path)
     if mesh is not None:
-        # Every rank holds the same full weights here; the plan keeps each rank's slice.
+        # Planned on the meta device: each rank materialises only its shards (of the same weights an
+        # unsharded run starts from).
         plan = ParallelizeConfig(
             comm=dims.comm,
             activation_checkpointing=t.activation_checkpointing,
@@ -206,6 +208,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
             fsdp=True,
         )
         parallelize_llama(model, mesh, plan)
+    materialize(model, device, init_path)
     optimizer = build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, t.warmup_steps, t.steps, t.min_lr_ratio)

@@ -7,8 +7,8 @@ Llama-3-8B's width (dim 4096, 32 heads / 8 kv heads, MLP 14336, vocabulary 12825
 so a run fits in minutes; bf16 autocast over fp32 weights, AdamW, one sequence of 8192 tokens per step
 (dp = 1: all ranks are one tensor-parallel group). Reports tokens/s per GPU and MFU (model FLOPs per
 token from ModelArgs.training_flops_per_token, dense bf16 peak of the GPU) per comm path; a path that
-cannot run here (e.g. triton before its AG-matmul kernel exists) gets a row saying why. Writes
-benchmarks/results/train_tp-llama3_8b-L<layers>-<W>x<gpu>.json / .md.
+cannot run here (e.g. symm_mem or triton without peer access between the GPUs) gets a row saying
+why. Writes benchmarks/results/train_tp-llama3_8b-L<layers>-<gpu>-x<W>.json / .md.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch.distributed as dist
 from benchmarks.common import device_name, write_results
 from model.args import ModelArgs
 from model.llama import Llama
+from parallel.checkpoint import materialize
 from parallel.comm import CommUnavailable
 from parallel.loss import cross_entropy
 from parallel.mesh import ParallelDims, build_mesh, validate_device, validate_model
@@ -67,8 +68,7 @@ def bench_path(comm: str, opts, args: ModelArgs, device: torch.device) -> dict[s
     except (CommUnavailable, ValueError) as err:
         row["status"] = f"unavailable: {err}"
         return row
-    model.to_empty(device=device)
-    model.init_weights()
+    materialize(model, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     torch.manual_seed(0)
     tokens = torch.randint(0, args.vocab_size, (opts.batch, opts.seq + 1), device=device)

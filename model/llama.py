@@ -29,9 +29,6 @@ class RMSNorm(nn.Module):
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """Inverse frequencies of the rotary pairs, [head_dim / 2], with Llama-3.1 scaling if given:
@@ -176,6 +173,38 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def init_plan(args: ModelArgs) -> list[tuple[str, Callable[[torch.Tensor], object]]]:
+    """(parameter name, in-place initialiser) of every weight, in the order the random ones are drawn:
+    truncated normal, with the projections that write into the residual stream (wo, w2) scaled down
+    with depth so the residual's variance stays put as layers are added. A parallelized model follows
+    the same plan on full-shape tensors and keeps its slices (parallel/checkpoint.py), so it starts
+    from the weights of the unsharded model."""
+    std = args.init_std
+    depth_std = std / math.sqrt(2 * args.n_layers)
+
+    def trunc_normal(s: float) -> Callable[[torch.Tensor], object]:
+        return lambda t: nn.init.trunc_normal_(t, std=s, a=-3 * s, b=3 * s)
+
+    embedding_std = std if args.tie_embeddings else 1.0
+    plan = [("tok_embeddings.weight", lambda t: nn.init.normal_(t, std=embedding_std))]
+    for i in range(args.n_layers):
+        for name, s in [
+            ("attention.wq", std),
+            ("attention.wk", std),
+            ("attention.wv", std),
+            ("attention.wo", depth_std),
+            ("feed_forward.w1", std),
+            ("feed_forward.w3", std),
+            ("feed_forward.w2", depth_std),
+        ]:
+            plan.append((f"layers.{i}.{name}.weight", trunc_normal(s)))
+        plan += [(f"layers.{i}.{norm}.weight", nn.init.ones_) for norm in ("attention_norm", "ffn_norm")]
+    plan.append(("norm.weight", nn.init.ones_))
+    if not args.tie_embeddings:
+        plan.append(("output.weight", trunc_normal(args.dim**-0.5)))
+    return plan
+
+
 class Llama(nn.Module):
     """tokens [B, S] -> logits [B, S, vocab]. Build on the meta device and call `init_weights()` after
     `to_empty(device=...)`, or load a checkpoint into it."""
@@ -193,33 +222,15 @@ class Llama(nn.Module):
         self.register_buffer("rope", rope_table(args), persistent=False)
 
     def init_weights(self) -> None:
-        """Truncated-normal initialisation; the projections that write into the residual stream (wo,
-        w2) are scaled down with depth so the residual's variance stays put as layers are added."""
-        std = self.args.init_std
+        """Rebuild the rotary table and draw every weight by `init_plan` (after `to_empty`)."""
         self.rope = rope_table(self.args, device=self.rope.device)
         if self.args.tie_embeddings:
             # to_empty() gives each module its own new parameter, which unties a shared one.
             self.output.weight = self.tok_embeddings.weight
-        nn.init.normal_(self.tok_embeddings.weight, std=1.0 if not self.args.tie_embeddings else std)
-        depth_std = std / math.sqrt(2 * self.args.n_layers)
-        for layer in self.layers:
-            for name, linear in [
-                ("in", layer.attention.wq),
-                ("in", layer.attention.wk),
-                ("in", layer.attention.wv),
-                ("out", layer.attention.wo),
-                ("in", layer.feed_forward.w1),
-                ("in", layer.feed_forward.w3),
-                ("out", layer.feed_forward.w2),
-            ]:
-                s = std if name == "in" else depth_std
-                nn.init.trunc_normal_(linear.weight, std=s, a=-3 * s, b=3 * s)
-            layer.attention_norm.reset_parameters()
-            layer.ffn_norm.reset_parameters()
-        self.norm.reset_parameters()
-        if not self.args.tie_embeddings:
-            out_std = self.args.dim**-0.5
-            nn.init.trunc_normal_(self.output.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+        params = dict(self.named_parameters())
+        with torch.no_grad():
+            for name, init in init_plan(self.args):
+                init(params[name])
 
     def setup_caches(self, batch: int, max_len: int, dtype: torch.dtype | None = None) -> None:
         """Allocate a static KV cache per layer for decoding up to `max_len` positions."""

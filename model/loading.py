@@ -48,10 +48,14 @@ def resolve_init_weights(init_from: str | None, args: ModelArgs) -> tuple[Path |
     return path, loaded
 
 
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A resolved checkpoint's full weights under weft's names (on the CPU)."""
+    return load_hf_checkpoint(path)[1] if is_hf_checkpoint(path) else load_model_state(path)
+
+
 def load_weights_into(model: torch.nn.Module, path: Path) -> None:
     """Copy a checkpoint's weights into `model` (already materialised on its device and dtype)."""
-    state = load_hf_checkpoint(path)[1] if is_hf_checkpoint(path) else load_model_state(path)
-    copy_state_into(model, state, source=str(path))
+    copy_state_into(model, read_weights(path), source=str(path))
 
 
 def tokenizer_dir(checkpoint: Path | None) -> Path | None:

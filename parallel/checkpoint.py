@@ -12,6 +12,7 @@ Every rank must call these functions (they communicate); only rank 0 needs to wr
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,6 +40,14 @@ def _slice(full: torch.Tensor, name: str, state) -> torch.Tensor:
         size = full.shape[dim] // state.tp_size
         full = full.narrow(dim, state.tp_rank * size, size)
     return full
+
+
+def _full_shape(t: torch.Tensor, name: str, state) -> tuple[int, ...]:
+    """The unsharded shape of a model tensor: FSDP's global shape, times tp on the tp-sharded dim."""
+    shape = list(t.shape)
+    if state is not None and name in state.tp_shard_dims:
+        shape[state.tp_shard_dims[name]] *= state.tp_size
+    return tuple(shape)
 
 
 def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
@@ -83,13 +92,53 @@ def load_full_model_state(
         )
     for name in expected:
         target = targets[name]
-        shape = tuple(full[name].shape)
-        want = list(target.shape)
-        if state is not None and name in state.tp_shard_dims:
-            want[state.tp_shard_dims[name]] *= state.tp_size
-        if shape != tuple(want):
-            raise ValueError(f"{source}: {name} has shape {shape}, the model needs {tuple(want)}")
+        shape, want = tuple(full[name].shape), _full_shape(target, name, state)
+        if shape != want:
+            raise ValueError(f"{source}: {name} has shape {shape}, the model needs {want}")
         _copy_into(target, _slice(full[name], name, state))
+
+
+@torch.no_grad()
+def init_parallel_weights(model: nn.Module) -> None:
+    """Llama.init_weights for a parallelized model (after `to_empty`): each weight is drawn at its full
+    shape on the model's device, one tensor at a time and in model.llama.init_plan's order, and this
+    rank keeps its slice. Every rank, and an unsharded model seeded alike on the same device, gets the
+    same weights, while no rank ever holds more than one full tensor beyond its shards."""
+    from model.llama import init_plan, rope_table
+
+    state = _state(model)
+    model.rope = rope_table(model.args, device=model.rope.device)
+    if model.args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight  # to_empty() untied them
+    targets = model.state_dict()
+    for name, init in init_plan(model.args):
+        target = targets[name]
+        local = target.to_local() if hasattr(target, "to_local") else target
+        full = local.new_empty(_full_shape(target, name, state))
+        init(full)
+        _copy_into(target, _slice(full, name, state))
+
+
+def materialize(
+    model: nn.Module, device: torch.device, checkpoint: Path | None = None, dtype: torch.dtype | None = None
+) -> None:
+    """Storage and weights for a model built on the meta device, parallelized there or not: random
+    weights by model.llama.init_plan (a parallelized model keeps its slices of the unsharded model's),
+    then a checkpoint's (model/loading.py resolves the path) if one is given. Each rank only ever holds
+    its own shards plus one full tensor at a time."""
+    from model.loading import load_weights_into, read_weights
+
+    model.to_empty(device=device)
+    if dtype is not None:
+        model.to(dtype)
+    if _state(model) is None:
+        model.init_weights()
+        if checkpoint is not None:
+            load_weights_into(model, checkpoint)
+        return
+    init_parallel_weights(model)
+    if checkpoint is not None:
+        load_full_model_state(model, read_weights(checkpoint), source=str(checkpoint))
 
 
 def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:

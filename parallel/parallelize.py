@@ -1,8 +1,10 @@
 """parallelize_llama: apply tensor + sequence parallelism, Ulysses context parallelism, activation
 checkpointing, torch.compile and FSDP2 to a plain model.Llama (TorchTitan's split of model and plan).
 
-The plan works on a materialised model whose weights are the full (tp = 1) ones: every rank builds the
-same full model (same seed, or the same checkpoint loaded), and the plan keeps each rank's slice. The
+The plan works on a model still on the meta device (train.py, serve.py: each rank then materialises
+only its shards with parallel/checkpoint.py's `materialize`, drawing the unsharded model's weights or
+loading a checkpoint's), or on a materialised model holding the full (tp = 1) weights, identical on
+every rank, of which it keeps each rank's slice (the tests compare it with the plain model). The
 model code is untouched: the plan swaps modules (wq/wk/wv/w1/w3/output column-parallel, wo/w2
 row-parallel, the embedding vocab-parallel, the norms sequence-parallel) and sets attributes
 (Attention.project_qkv, attention_fn, the per-rank head counts). Parameter names, order and tying stay
@@ -187,7 +189,7 @@ def apply_activation_checkpointing(model: Llama) -> None:
 
 def parallelize_llama(model: Llama, mesh: DeviceMesh, cfg: ParallelizeConfig | None = None) -> Llama:
     """Apply the layout of `mesh` (dims "dp", "cp", "tp"; parallel/mesh.py) to `model` in place and
-    return it. The model must hold its full weights (identical on every rank)."""
+    return it. The model is on the meta device or holds its full weights (identical on every rank)."""
     cfg = cfg or ParallelizeConfig()
     tp, cp = mesh["tp"].size(), mesh["cp"].size()
     tp_ctx, shard_dims = None, {}

@@ -21,6 +21,7 @@ from parallel.checkpoint import (
     _full,
     full_model_state,
     full_optimizer_state,
+    init_parallel_weights,
     load_full_model_state,
     load_full_optimizer_state,
 )
@@ -126,12 +127,29 @@ def _check_training(case: Case, rank: int, world: int) -> None:
     torch.testing.assert_close(norm, ref_norm, **TOL)
 
 
+def meta_built_model(args: ModelArgs, seed: int) -> Llama:
+    """The plain model as serve.py builds it: on the meta device, then materialised and initialised."""
+    torch.manual_seed(seed)
+    with torch.device("meta"):
+        model = Llama(args)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    return model
+
+
 def _check_generation(rank: int, world: int) -> None:
+    from serve import build_model
+
     args = small_args()
-    reference = full_model(args, seed=3)
-    model = copy.deepcopy(reference)
+    reference = meta_built_model(args, seed=3)
+    # serve.py's tensor-parallel model: planned on the meta device, each rank materialising its slice
+    # of the weights the unsharded model draws from the same seed.
     mesh = build_mesh(ParallelDims(dp=world // 2, cp=1, tp=2), "cpu")
-    parallelize_llama(model, mesh, ParallelizeConfig(sequence_parallel=False, fsdp=False))
+    torch.manual_seed(3)
+    model = build_model(args, None, torch.device("cpu"), torch.float32, mesh, "torch")
+    full = full_model_state(model)
+    for name, t in reference.state_dict().items():
+        assert torch.equal(full[name], t), name
     torch.manual_seed(2)
     prompt = torch.randint(0, args.vocab_size, (2, 5))
     with torch.no_grad():
@@ -145,11 +163,33 @@ def _check_generation(rank: int, world: int) -> None:
     assert torch.equal(got, expected), (got, expected)
 
 
+def _check_meta_init(rank: int, world: int) -> None:
+    """init_parallel_weights on a model parallelized on the meta device (tp=2, FSDP over dp=2, tied and
+    untied embeddings) gives every rank its slice of the unsharded model's weights."""
+    for tie in (False, True):
+        args = small_args(tie)
+        reference = meta_built_model(args, seed=4)
+        with torch.device("meta"):
+            model = Llama(args)
+        parallelize_llama(model, build_mesh(ParallelDims(dp=2, cp=1, tp=2), "cpu"), ParallelizeConfig())
+        model.to_empty(device="cpu")
+        torch.manual_seed(4)
+        init_parallel_weights(model)
+        assert model.parallel.fsdp
+        assert (model.output.weight is model.tok_embeddings.weight) == tie
+        full = full_model_state(model)
+        for name, t in reference.state_dict().items():
+            if not (tie and name == "output.weight"):
+                assert torch.equal(full[name], t), (tie, name)
+
+
 def _run_cases(rank: int, world: int, cases: list[Case], generation: bool) -> None:
     for case in cases:
         _check_training(case, rank, world)
     if generation:
         _check_generation(rank, world)
+    else:
+        _check_meta_init(rank, world)
 
 
 WORLD2 = [
