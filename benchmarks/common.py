@@ -18,15 +18,16 @@ import torch
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
-def device_name() -> str:
+def device_name(gpus: int | None = None) -> str:
     """A short device tag for file names: 'h200', 'h100', 'h200-x4' (four GPUs, the device kinds'
-    naming), or 'cpu'."""
+    naming), or 'cpu'. `gpus` defaults to the process group's world size."""
     if not torch.cuda.is_available():
         return "cpu"
     name = torch.cuda.get_device_name().lower()
     chip = next((c for c in ("h200", "h100", "a100", "b200") if c in name), name.split()[-1])
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    return f"{chip}-x{world}" if world > 1 else chip
+    if gpus is None:
+        gpus = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return f"{chip}-x{gpus}" if gpus > 1 else chip
 
 
 def environment() -> dict[str, str]:

@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS_DIR, write_results
+from benchmarks.common import RESULTS_DIR, device_name, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -89,12 +89,15 @@ def main() -> None:
     parser.add_argument("--degrees", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--tag", default=None, help="device tag of the result files (default: the device)")
+    parser.add_argument(
+        "--tag", default=None, help="device tag of the result files (default: cpu, or e.g. h200-x4)"
+    )
     parser.add_argument("overrides", nargs="*", help="extra train.py overrides, e.g. parallel.comm=triton")
     parser.add_argument("--replot", action="store_true", help="only redraw the PNG from the result JSON")
     opts = parser.parse_args()
     dim, degrees = opts.dim, opts.degrees
-    name, tag = f"{dim}_loss_curves", opts.tag or opts.device
+    name = f"{dim}_loss_curves"
+    tag = opts.tag or (device_name(max(degrees)) if opts.device == "cuda" else "cpu")
     if opts.replot:
         data = json.loads((RESULTS_DIR / f"{name}-{tag}.json").read_text())
         print(plot(dim, {int(d): [tuple(p) for p in c] for d, c in data["curves"].items()}, tag))

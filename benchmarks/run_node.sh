@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Every GPU test and benchmark of weft on the GPUs of this node, in the order a fresh node should run
+# them: each step bounded by a timeout and logged, a failing step reported and the next one run anyway,
+# a summary of the steps (exit status, seconds) at the end. Results land in benchmarks/results/.
+#
+#   benchmarks/run_node.sh                    # every step
+#   benchmarks/run_node.sh tests ag rs        # the named steps, in the order given
+#   STEP_TIMEOUT=300 LOG_DIR=/tmp/logs benchmarks/run_node.sh a2a
+#
+# Steps (N = the GPUs visible here; the comm steps need N >= 2):
+#   tests     pytest of everything marked gpu or multigpu (kernels on 1, 2 and 4 GPUs, TP, Ulysses)
+#   ag        all-gather + matmul against NCCL + cuBLAS, torch's fused op and cuBLAS alone
+#   rs        matmul + reduce-scatter against cuBLAS + NCCL, torch's fused op and the matmul alone
+#   a2a       the Ulysses all-to-all against the stock path and bare all_to_all_single
+#   ar        the decode all-reduce size sweep against NCCL and torch's one-/two-shot
+#   train     tensor + sequence parallel training throughput of Llama-3-8B shapes, every comm path
+#   cp        Ulysses loss curves (debug model) at cp = 1, 2, 4 on the triton path
+#   decode    tensor-parallel decode of llama3_70b at tp = N on every comm path
+#   fp8       the FP8 kernels and the FP8 vs bf16 decode of llama3_8b on one GPU
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+N=$($PY -c "import torch; print(torch.cuda.device_count())")
+LOG_DIR=${LOG_DIR:-runs/node}
+STEP_TIMEOUT=${STEP_TIMEOUT:-900}
+mkdir -p "$LOG_DIR"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
+RUN=("$PY" -m torch.distributed.run --nproc_per_node="$N")
+
+cp_degrees() {
+  local d=1 out=""
+  while [ "$d" -le "$N" ] && [ "$d" -le 4 ]; do out="$out $d"; d=$((d * 2)); done
+  echo "$out"
+}
+
+step_command() {
+  case "$1" in
+    tests) echo "$PY -m pytest -q -p no:cacheprovider -m 'gpu or multigpu' tests" ;;
+    ag) echo "${RUN[*]} benchmarks/bench_ag_matmul.py" ;;
+    rs) echo "${RUN[*]} benchmarks/bench_matmul_rs.py" ;;
+    a2a) echo "${RUN[*]} benchmarks/bench_all_to_all.py" ;;
+    ar) echo "${RUN[*]} -m benchmarks.bench_all_reduce" ;;
+    train) echo "${RUN[*]} -m benchmarks.bench_train_tp --tp $N" ;;
+    cp) echo "$PY -m benchmarks.loss_curves --device cuda --dim cp --degrees$(cp_degrees) parallel.comm=triton" ;;
+    decode) echo "${RUN[*]} -m benchmarks.bench_decode --model llama3_70b --batch-sizes 1 8 32 --comms torch symm_mem triton" ;;
+    fp8) echo "$PY -m benchmarks.bench_fp8 && $PY -m benchmarks.bench_decode --model llama3_8b --fp8" ;;
+    *) return 1 ;;
+  esac
+}
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests ag rs a2a ar train cp decode fp8)
+for s in "${steps[@]}"; do
+  step_command "$s" >/dev/null || { echo "unknown step '$s': see the list at the top of $0" >&2; exit 2; }
+done
+
+echo "weft node run: $N GPU(s), steps: ${steps[*]}, logs in $LOG_DIR"
+summary=()
+for s in "${steps[@]}"; do
+  cmd=$(step_command "$s")
+  echo "=== $s: $cmd"
+  start=$(date +%s)
+  timeout --signal=TERM --kill-after=30 "$STEP_TIMEOUT" bash -c "$cmd" 2>&1 | tee "$LOG_DIR/$s.log"
+  rc=${PIPESTATUS[0]}
+  summary+=("$(printf '%-7s exit %-3s %5ss' "$s" "$rc" "$(($(date +%s) - start))")")
+done
+echo "=== summary"
+printf '%s\n' "${summary[@]}"
