@@ -14,10 +14,7 @@ kernels/ag_matmul.py's CONFIGS table.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import os
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -25,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import time_events, write_results
+from benchmarks import gemm_comm
 from kernels import ag_matmul as ag
 
 SHAPES = [(4096, 4096, 7168), (8192, 4096, 7168), (16384, 8192, 14336), (16384, 8192, 2560)]
@@ -39,28 +36,8 @@ SWEEP = [
 ]
 
 
-def slowest(ms: float) -> float:
-    """Max over ranks of a per-rank figure."""
-    t = torch.tensor([ms], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def timed(fn, reps: int, iters: int) -> float:
-    """Slowest rank's median milliseconds per call of `fn`, `reps` calls per timed sample."""
-
-    def run() -> None:
-        for _ in range(reps):
-            fn()
-
-    torch.cuda.synchronize()
-    dist.barrier()
-    return slowest(time_events(run, iters=iters, warmup=2) / reps)
-
-
-def bench_shape(m: int, k: int, n: int, group: dist.ProcessGroup, args: argparse.Namespace):
-    """(result row, sweep rows) of one M K N."""
-    rank, world, name = dist.get_rank(), dist.get_world_size(), group.group_name
+def make_case(m: int, k: int, n: int, group: dist.ProcessGroup) -> gemm_comm.Case:
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(rank)
     shard = torch.randn(m // world, k, device="cuda", dtype=torch.bfloat16)
     torch.manual_seed(1234)
@@ -77,115 +54,40 @@ def bench_shape(m: int, k: int, n: int, group: dist.ProcessGroup, args: argparse
         return torch.matmul(gathered, b)
 
     def torch_fused():
-        return torch.ops.symm_mem.fused_all_gather_matmul(shard, [b], 0, name, return_A=True)
+        return torch.ops.symm_mem.fused_all_gather_matmul(shard, [b], 0, group.group_name, return_A=True)
 
     def cublas():
         return torch.matmul(gathered, b)
 
-    # Correctness first: a wrong kernel's timing is meaningless.
     a, (out,) = ours()
-    expect = nccl_cublas()
+    expect = nccl_cublas().float()
     torch.cuda.synchronize()
     ag.check(group)
     gather_ok = torch.equal(a, gathered)
-    err = ((out.float() - expect.float()).norm() / expect.float().norm()).item()
+    err = ((out.float() - expect).norm() / expect.norm()).item()
     if rank == 0:
         print(f"{m} {k} {n}: gathered A equal: {gather_ok}, rel. error vs cuBLAS {err:.2e}", flush=True)
-    del a, out, expect
-
-    ms = {}
-    for label, fn in (("ours", ours), ("nccl", nccl_cublas), ("torch", torch_fused), ("cublas", cublas)):
-        try:
-            ms[label] = timed(fn, args.reps, args.iters)
-        except Exception as e:  # one failing peer must not hide the others' figures
-            print(f"rank {rank}: {label} at {m} {k} {n} failed: {e}", flush=True)
-            ms[label] = float("nan")
-    ag.check(group)
-    flops = 2 * m * k * n
-    row = {
-        "M K N": f"{m} {k} {n}",
-        "ours us": ms["ours"] * 1e3,
-        "NCCL+cuBLAS us": ms["nccl"] * 1e3,
-        "torch fused us": ms["torch"] * 1e3,
-        "cuBLAS (gathered) us": ms["cublas"] * 1e3,
-        "ours / cuBLAS": ms["ours"] / ms["cublas"],
-        "ours / NCCL+cuBLAS": ms["ours"] / ms["nccl"],
-        "ours / torch fused": ms["ours"] / ms["torch"],
-        "ours TFLOP/s": flops / ms["ours"] / 1e9,
-        "cuBLAS TFLOP/s": flops / ms["cublas"] / 1e9,
-        "config": " ".join(map(str, dataclasses.astuple(ag.pick_config(n)))),
-        "rel err": err,
-        "A equal": gather_ok,
-    }
-    if rank == 0:
-        print(row, flush=True)
-
-    sweep = []
-    for cfg in SWEEP if args.sweep else ():
-        t = timed(lambda cfg=cfg: ours(cfg), args.reps, args.iters)
-        sweep.append(
-            {
-                "M K N": f"{m} {k} {n}",
-                "BM BN BK GROUP_M warps stages splits": " ".join(map(str, dataclasses.astuple(cfg))),
-                "us": t * 1e3,
-                "/ cuBLAS": t / ms["cublas"],
-            }
-        )
-        if rank == 0:
-            print("  sweep", sweep[-1], flush=True)
-    ag.check(group)
-    return row, sweep
+    return gemm_comm.Case(
+        ours=ours,
+        peers={"NCCL+cuBLAS": nccl_cublas, "torch fused": torch_fused, "cuBLAS (gathered)": cublas},
+        check=lambda: ag.check(group),
+        error=err,
+        checks={"A equal": gather_ok},
+        config=ag.pick_config(n),
+    )
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", nargs="*", default=[",".join(map(str, s)) for s in SHAPES], help="M,K,N ...")
-    p.add_argument("--reps", type=int, default=3, help="back-to-back calls per timed sample")
-    p.add_argument("--iters", type=int, default=15)
-    p.add_argument("--sweep", action="store_true", help="also time every config of SWEEP")
-    args = p.parse_args()
-
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
-    import torch.distributed._symmetric_memory as symm_mem
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    group = dist.group.WORLD
-    name = group.group_name
-    if hasattr(symm_mem, "is_symm_mem_enabled_for_group") and not symm_mem.is_symm_mem_enabled_for_group(
-        name
-    ):
-        with warnings.catch_warnings():  # torch 2.11 needs it once per group; later versions: a no-op
-            warnings.simplefilter("ignore")
-            symm_mem.enable_symm_mem_for_group(name)
-
-    rows, sweep_rows = [], []
-    for spec in args.shapes:
-        m, k, n = (int(v) for v in spec.split(","))
-        if m % world:
-            raise SystemExit(f"M={m} does not split over {world} ranks")
-        row, sweep = bench_shape(m, k, n, group, args)
-        rows.append(row)
-        sweep_rows += sweep
-        torch.cuda.empty_cache()
-
-    if rank == 0:
-        notes = (
-            f"bf16 over {world} GPUs, a_shard [M/{world}, K] gathered on dim 0, one weight [N, K] used "
-            "as weight.t(). Microseconds per call: the slowest rank's median of "
-            f"{args.iters} samples of {args.reps} back-to-back calls (CUDA events). ours: "
-            "kernels/ag_matmul.py (copy-engine gather + persistent Triton GEMM); NCCL+cuBLAS: "
-            "all_gather_into_tensor + torch.matmul; torch fused: torch.ops.symm_mem.fused_all_gather_matmul; "
-            "cuBLAS: torch.matmul on the already-gathered A. Command: torchrun --nproc_per_node="
-            f"{world} benchmarks/bench_ag_matmul.py{' --sweep' if args.sweep else ''}"
-        )
-        write_results("ag_matmul", rows, notes)
-        if sweep_rows:
-            write_results("ag_matmul_sweep", sweep_rows, "GEMM config sweep of ours; " + notes)
-    dist.barrier()
-    dist.destroy_process_group()
+def notes(world: int, args: argparse.Namespace) -> str:
+    return (
+        f"bf16 over {world} GPUs, a_shard [M/{world}, K] gathered on dim 0, one weight [N, K] used "
+        "as weight.t(). Microseconds per call: the slowest rank's median of "
+        f"{args.iters} samples of {args.reps} back-to-back calls (CUDA events). ours: "
+        "kernels/ag_matmul.py (copy-engine gather + persistent Triton GEMM); NCCL+cuBLAS: "
+        "all_gather_into_tensor + torch.matmul; torch fused: torch.ops.symm_mem.fused_all_gather_matmul; "
+        "cuBLAS: torch.matmul on the already-gathered A. Command: torchrun --nproc_per_node="
+        f"{world} benchmarks/bench_ag_matmul.py{' --sweep' if args.sweep else ''}"
+    )
 
 
 if __name__ == "__main__":
-    main()
+    gemm_comm.main("ag_matmul", __doc__.split("\n\n")[0], SHAPES, SWEEP, make_case, notes)

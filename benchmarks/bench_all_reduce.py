@@ -15,7 +15,6 @@ is printed as it goes).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, device_name, time_graph, write_results
+from benchmarks.common import RESULTS_DIR, device_name, init_gpu_ranks, slowest, time_graph, write_results
 from kernels.custom_all_reduce import ALGORITHMS, CustomAllReduce, launch_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -36,17 +35,11 @@ def label(nbytes: int) -> str:
     return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
 
 
-def slowest(ms: float) -> float:
-    """Max over ranks of a per-rank median, in microseconds."""
-    t = torch.tensor([ms * 1e3], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def timed(fn, calls: int, replays: int) -> float:
+    """The slowest rank's median microseconds per call, as CUDA-graph replays."""
     torch.cuda.synchronize()
     dist.barrier()
-    return slowest(time_graph(fn, calls_per_graph=calls, replays=replays))
+    return slowest(time_graph(fn, calls_per_graph=calls, replays=replays) * 1e3)
 
 
 def main() -> None:
@@ -69,13 +62,10 @@ def main() -> None:
     if unknown:
         p.error(f"--sweep-algos: unknown {sorted(unknown)}; choose from {ALGORITHMS}")
 
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    group = init_gpu_ranks()
     from torch.distributed import _symmetric_memory as symm
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    group = dist.group.WORLD
     dtype = DTYPES[args.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
     car = CustomAllReduce(group, max_size=args.max_size, push_max_size=args.max_size)

@@ -19,7 +19,6 @@ Before timing, every case checks ours == stock exactly and says so.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from functools import partial
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import markdown_table, time_events, write_results
+from benchmarks.common import init_gpu_ranks, markdown_table, time_ranks, write_results
 from kernels.all_to_all import (
     DEFAULT_TIMEOUT_S,
     check,
@@ -47,18 +46,6 @@ from kernels.all_to_all import (
 
 DIM = 128
 DTYPE = torch.bfloat16
-
-
-def slowest(ms: float) -> float:
-    t = torch.tensor([ms], device="cuda")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
-def timed(fn, iters: int) -> float:
-    torch.cuda.synchronize()
-    dist.barrier()
-    return slowest(time_events(fn, iters=iters, warmup=3))
 
 
 def exchange_rows(seq: int, heads: int, world: int, rank: int, iters: int) -> list[dict]:
@@ -88,9 +75,9 @@ def exchange_rows(seq: int, heads: int, world: int, rank: int, iters: int) -> li
         nbytes = total * o.element_size() * (world - 1) // world
         flat = torch.randn(total, device="cuda", dtype=DTYPE)
         ms = {
-            "ours": timed(lambda xs=xs, f=ours: f(xs), iters),
-            "stock": timed(lambda xs=xs, f=stock: f(xs), iters),
-            "bare": timed(partial(dist.all_to_all_single, torch.empty_like(flat), flat), iters),
+            "ours": time_ranks(lambda xs=xs, f=ours: f(xs), iters),
+            "stock": time_ranks(lambda xs=xs, f=stock: f(xs), iters),
+            "bare": time_ranks(partial(dist.all_to_all_single, torch.empty_like(flat), flat), iters),
         }
         check()
         gbs = {key: nbytes / (t * 1e-3) / 1e9 for key, t in ms.items()}
@@ -130,7 +117,7 @@ def chunk_sweep(seq: int, heads: int, world: int, rank: int, iters: int) -> list
     rows = []
     for chunks in (2, 4, 8, 16, 32, 64):
         run = partial(launch_all_to_all, buf, xs, outs, True, int(DEFAULT_TIMEOUT_S * 1e9), chunks=chunks)
-        ms = timed(run, iters)
+        ms = time_ranks(run, iters)
         rows.append({"S": seq, "H": heads, "chunks per program": chunks, "ms": ms, "GB/s": nbytes / ms / 1e6})
         if rank == 0:
             print(rows[-1], flush=True)
@@ -168,8 +155,8 @@ def attention_rows(seq: int, heads: int, world: int, rank: int, iters: int) -> l
                 "S": seq,
                 "H": heads,
                 "case": f"attention layer, {path} path",
-                "fwd ms": timed(forward, iters),
-                "fwd+bwd ms": timed(forward_backward, iters),
+                "fwd ms": time_ranks(forward, iters),
+                "fwd+bwd ms": time_ranks(forward_backward, iters),
             }
         )
         if rank == 0:
@@ -186,9 +173,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     args = p.parse_args()
 
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    init_gpu_ranks()
     rank, world = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         print(f"{world} ranks on {torch.cuda.get_device_name()}", flush=True)

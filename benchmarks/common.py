@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import platform
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -96,6 +98,38 @@ def time_graph(
         end.synchronize()
         times.append(start.elapsed_time(end) / calls_per_graph)
     return statistics.median(times)
+
+
+def init_gpu_ranks() -> dist.ProcessGroup:
+    """Under torchrun: this rank on the GPU of its LOCAL_RANK, an NCCL process group, and symmetric
+    memory enabled on it (PyTorch's fused ops need that on torch 2.11). Returns the world group."""
+    from kernels.symm_mem import enable_symm_mem
+
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    enable_symm_mem(dist.group.WORLD.group_name)
+    return dist.group.WORLD
+
+
+def slowest(value: float) -> float:
+    """The largest over the ranks of a per-rank figure: a collective is as slow as its slowest member."""
+    t = torch.tensor([value], device="cuda", dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def time_ranks(fn: Callable[[], object], iters: int, reps: int = 1) -> float:
+    """The slowest rank's median milliseconds per call of `fn`, timed with CUDA events around `reps`
+    back-to-back calls (the host queues ahead, as in training) after every rank has caught up."""
+
+    def run() -> None:
+        for _ in range(reps):
+            fn()
+
+    torch.cuda.synchronize()
+    dist.barrier()
+    return slowest(time_events(run, iters=iters, warmup=3) / reps)
 
 
 def markdown_table(rows: Sequence[dict[str, object]]) -> str:

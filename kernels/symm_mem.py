@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -149,6 +150,19 @@ def check_group(group: dist.ProcessGroup) -> None:
     check_single_node(infos, rank)
     check_peer_access(infos, rank)
     _CHECKED.add(name)
+
+
+def enable_symm_mem(group_name: str) -> None:
+    """Enable symmetric memory on a group once, as torch 2.11's fused ops (`torch.ops.symm_mem.*`)
+    require; later torch versions deprecate the call as a no-op, and it is skipped there."""
+    from torch.distributed import _symmetric_memory as symm
+
+    enabled = getattr(symm, "is_symm_mem_enabled_for_group", None)
+    if enabled is None or enabled(group_name):
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        symm.enable_symm_mem_for_group(group_name)
 
 
 @dataclass

@@ -209,16 +209,10 @@ class SymmMemComm(Comm):
         _check_cuda_peers(group, self.name)
         import torch.distributed._symmetric_memory as symm_mem
 
-        self._symm_mem = symm_mem
-        if hasattr(symm_mem, "is_symm_mem_enabled_for_group") and not symm_mem.is_symm_mem_enabled_for_group(
-            self.group_name
-        ):
-            # torch 2.11 still needs this once per group; later versions deprecate it as a no-op.
-            import warnings
+        from kernels.symm_mem import enable_symm_mem
 
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                symm_mem.enable_symm_mem_for_group(self.group_name)
+        self._symm_mem = symm_mem
+        enable_symm_mem(self.group_name)
         # Symmetric input buffers of the all-reduce, one per (numel, dtype), allocated on first use and
         # reused (so a CUDA graph captured after a warm-up call allocates nothing).
         self._buffers: dict[tuple[int, torch.dtype], torch.Tensor] = {}
