@@ -3,6 +3,8 @@
     run_ranks(body, world, *args)               # body(rank, world, *args), gloo
     run_ranks(body, world, *args, backend="nccl")   # rank r on cuda:r (gloo beside it for CPU tensors)
 
+    @pytest.mark.parametrize("world", GPU_WORLDS)   # 2, 4 and 8 GPUs, each skipped where too few exist
+
 A failure on any rank fails the test with every failing rank's traceback. Teardown matters: weft keeps
 per-group state in module registries (the comm paths, the custom all-reduce objects, symmetric
 buffers), and a process group still referenced there when `destroy_process_group` runs is destroyed
@@ -19,9 +21,13 @@ import sys
 import traceback
 from collections.abc import Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# The world sizes of the multi-GPU tests; each runs only where that many GPUs are visible.
+GPU_WORLDS = [pytest.param(w, marks=pytest.mark.multigpu(n=w)) for w in (2, 4, 8)]
 
 
 def free_port() -> int:

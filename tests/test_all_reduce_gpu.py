@@ -20,7 +20,7 @@ import torch.distributed as dist
 from kernels.all_reduce import SENTINEL
 from kernels.custom_all_reduce import ALGORITHMS, CustomAllReduce
 from kernels.symm_mem import SymmMemTimeout, check_status
-from tests.multiprocess import run_ranks
+from tests.multiprocess import GPU_WORLDS, run_ranks
 
 TOL = {  # (rtol, atol) against NCCL, which rounds to the dtype after every partial sum
     torch.bfloat16: (1.6e-2, 3e-2),
@@ -201,9 +201,6 @@ def run_on_rank(rank: int, world: int) -> None:
     timeout(rank, world)
 
 
-@pytest.mark.parametrize(
-    "world",
-    [pytest.param(2, marks=pytest.mark.multigpu(n=2)), pytest.param(4, marks=pytest.mark.multigpu(n=4))],
-)
+@pytest.mark.parametrize("world", GPU_WORLDS)
 def test_symm_all_reduce(world: int) -> None:
     run_ranks(run_on_rank, world, backend="nccl")

@@ -50,7 +50,7 @@ from kernels.all_to_all import (
     seq_to_heads_reference,
 )
 from kernels.symm_mem import SymmMemTimeout, size_class
-from tests.multiprocess import run_ranks
+from tests.multiprocess import GPU_WORLDS, run_ranks
 
 # ------------------------------------------------------------------------------- the definition
 
@@ -484,9 +484,6 @@ def _on_gpus(rank: int, world: int) -> None:
     _timeout(rank, world)
 
 
-@pytest.mark.parametrize(
-    "world",
-    [pytest.param(2, marks=pytest.mark.multigpu(n=2)), pytest.param(4, marks=pytest.mark.multigpu(n=4))],
-)
+@pytest.mark.parametrize("world", GPU_WORLDS)
 def test_kernel_equals_reference_on_gpus(world: int) -> None:
     run_ranks(_on_gpus, world, backend="nccl")

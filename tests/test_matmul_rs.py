@@ -35,7 +35,7 @@ import triton.language as tl
 
 from kernels import matmul_rs as mrs
 from kernels.symm_mem import SymmMemTimeout
-from tests.multiprocess import run_ranks
+from tests.multiprocess import GPU_WORLDS, run_ranks
 
 # ------------------------------------------------------------------------------------ CPU: schedule
 
@@ -456,9 +456,6 @@ def _run_on_rank(rank: int, world: int) -> None:
     _timeout(rank, world)
 
 
-@pytest.mark.parametrize(
-    "world",
-    [pytest.param(2, marks=pytest.mark.multigpu(n=2)), pytest.param(4, marks=pytest.mark.multigpu(n=4))],
-)
+@pytest.mark.parametrize("world", GPU_WORLDS)
 def test_matmul_rs_gpu(world: int) -> None:
     run_ranks(_run_on_rank, world, backend="nccl")

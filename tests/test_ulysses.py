@@ -10,7 +10,7 @@ import torch.distributed as dist
 from model.llama import sdpa_attention
 from parallel.comm import make_comm
 from parallel.ulysses import check_ulysses_heads, ulysses_attention
-from tests.multiprocess import run_ranks
+from tests.multiprocess import GPU_WORLDS, run_ranks
 
 # (query heads, key/value heads): equal heads, GQA with kv heads split, GQA with kv heads replicated.
 HEAD_CASES = [(8, 8), (8, 4), (8, 2), (4, 1)]
@@ -94,9 +94,6 @@ def triton_path_on_rank(rank: int, world: int) -> None:
             )
 
 
-@pytest.mark.parametrize(
-    "world",
-    [pytest.param(2, marks=pytest.mark.multigpu(n=2)), pytest.param(4, marks=pytest.mark.multigpu(n=4))],
-)
+@pytest.mark.parametrize("world", GPU_WORLDS)
 def test_ulysses_triton_path_matches_torch_path(world: int) -> None:
     run_ranks(triton_path_on_rank, world, backend="nccl")
