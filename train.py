@@ -40,6 +40,7 @@ from parallel.checkpoint import (
     materialize,
     save_parallel_checkpoint,
 )
+from parallel.comm import check_comms
 from parallel.loss import cross_entropy
 from parallel.mesh import build_mesh, validate_comm_ops, validate_model
 from parallel.parallelize import (
@@ -142,6 +143,7 @@ def train_step(
     if dist.is_initialized():
         dist.all_reduce(total_loss, op=dist.ReduceOp.AVG)
     loss_value = total_loss.item()
+    check_comms()  # a comm kernel that gave up waiting for a peer fails the step, naming the peer
     if not math.isfinite(loss_value):
         raise NonFiniteLoss(loss_value)
     clip = t.grad_clip if t.grad_clip > 0 else float("inf")

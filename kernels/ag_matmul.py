@@ -69,10 +69,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.symm_mem import (
     DEFAULT_TIMEOUT_S,
+    INTERPRETED,
     SymmBuffer,
     advance_epoch,
     barrier,
     check_status,
+    fence_async_proxy,
     get_symm_buffer,
     load_epoch,
     op_id,
@@ -219,12 +221,14 @@ def _tile_coords(
 
 
 @triton.jit
-def _wait_rows(flag_ptr, status_ptr, where, src, timeout_ns, OP_ID: tl.constexpr):
+def _wait_rows(flag_ptr, status_ptr, where, src, timeout_ns, OP_ID: tl.constexpr, FENCE: tl.constexpr):
     """Wait until the copy of these rows has landed: an acquire read first (the common case, the flag
-    is already set), the bounded spin of kernels/symm_mem.py only when it is not."""
+    is already set), the bounded spin of kernels/symm_mem.py only when it is not; then the proxy fence
+    that orders the TMA loads of those rows after the acquire."""
     arrived = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     if arrived == 0:
         wait_flag(flag_ptr, 1, status_ptr, OP_ID, where, src, timeout_ns)
+    fence_async_proxy(FENCE)
 
 
 @triton.jit
@@ -263,7 +267,7 @@ def _ag_matmul_kernel(
     flags_ptr, status_ptr, timeout_ns, k, tiles_per_piece, pieces, nt0, nt1, nt2, nt3,
     RANK: tl.constexpr, WORLD: tl.constexpr, NUM_W: tl.constexpr, SPLITS: tl.constexpr,
     B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, OP_ID: tl.constexpr,
+    GROUP_M: tl.constexpr, OP_ID: tl.constexpr, FENCE: tl.constexpr,
 ):  # fmt: skip
     """Persistent GEMM over the gathered rows: program i takes tiles i, i + G, ... of `_tile_coords`'
     order. Own rows are read from this rank's shard (`own_desc`, [P, R, K]) without waiting; a peer's
@@ -282,7 +286,7 @@ def _ag_matmul_kernel(
         a_piece = piece // WORLD
         if src != RANK:
             flag = src * SPLITS + q
-            _wait_rows(flags_ptr + flag, status_ptr, FLAG_WHERE_BASE + flag, src, timeout_ns, OP_ID)
+            _wait_rows(flags_ptr + flag, status_ptr, FLAG_WHERE_BASE + flag, src, timeout_ns, OP_ID, FENCE)
             a_d = a_desc
             a_piece = piece
         _tile_of_weight(
@@ -356,7 +360,7 @@ def launch_gemm(
         own_desc, a_desc, *b_descs, *c_descs,
         flags, status, timeout_ns, k, triton.cdiv(r, bm), layout.pieces, *n_tiles,
         RANK=rank, WORLD=layout.world, NUM_W=len(bs), SPLITS=config.splits, B_KN=b_kn,
-        BM=bm, BN=bn, BK=bk, GROUP_M=config.group_m, OP_ID=OP,
+        BM=bm, BN=bn, BK=bk, GROUP_M=config.group_m, OP_ID=OP, FENCE=not INTERPRETED,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
@@ -461,8 +465,9 @@ _PREPARED: dict[str, set[int]] = {}
 
 def prepare(group: dist.ProcessGroup, shard_bytes: int) -> SymmBuffer:
     """The symmetric buffer for shards of up to `shard_bytes` bytes, allocated on first use of its
-    size class (collective over `group`): call it, or make one eager call of the size, before capturing
-    a CUDA graph."""
+    size class (collective over `group`). Before capturing a CUDA graph, make one eager call with the
+    shapes the graph will use: it allocates the buffer and also compiles and loads the kernels, which
+    cannot happen during a capture."""
     buf = get_symm_buffer(group, shard_bytes, torch.uint8, tag=BUFFER_TAG)
     _PREPARED.setdefault(group.group_name, set()).add(buf.nbytes)
     return buf
@@ -495,8 +500,7 @@ def all_gather_matmul_kernel(
     ):
         raise RuntimeError(
             f"all_gather_matmul: no symmetric buffer for {nbytes}-byte shards yet, and allocating one "
-            "is collective: call kernels.ag_matmul.prepare(group, nbytes) or run one eager call of this "
-            "size before capturing the CUDA graph"
+            "is collective: run one eager call with these shapes before capturing the CUDA graph"
         )
     buf = prepare(group, nbytes)
     rank = buf.rank
@@ -520,8 +524,22 @@ def all_gather_matmul_kernel(
     mine.copy_(shard)
     _run_barrier(buf, timeout_ns)
     side.wait_stream(main)  # the copies below start after the entry barrier
-    # The GEMM is queued before the copies: it starts on this rank's rows (read from the symmetric
-    # buffer) while the host still queues the copies it will wait for.
+    # The copies are queued before the GEMM that waits for them, so that launches serialised by a
+    # tool (CUDA_LAUNCH_BLOCKING=1, a profiler) cannot leave the GEMM spinning on copies not yet queued.
+    with torch.cuda.stream(side):
+        for step in range(1, world):
+            src = (rank + step) % world
+            peer = buf.handle.get_buffer(
+                src, list(shard.shape), shard.dtype, storage_offset=buf.base_offset // shard.element_size()
+            )
+            for q, ranges in enumerate(plan):
+                for b, lo, hi in ranges:
+                    a4[b, src, lo:hi].copy_(peer[b, lo:hi])
+                _set_flag(flags, src * splits + q)
+        # This rank's rows of the result, last: nothing waits for them but the end of the call.
+        for b in range(layout.pieces):
+            a4[b, rank].copy_(shard[b])
+    # The GEMM starts on this rank's rows (read from the symmetric buffer) while the copies run.
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     for start in range(0, len(bs), MAX_WEIGHTS):
         part = slice(start, start + MAX_WEIGHTS)
@@ -539,19 +557,6 @@ def all_gather_matmul_kernel(
             min(num_sms, tiles),
             timeout_ns,
         )
-    with torch.cuda.stream(side):
-        for step in range(1, world):
-            src = (rank + step) % world
-            peer = buf.handle.get_buffer(
-                src, list(shard.shape), shard.dtype, storage_offset=buf.base_offset // shard.element_size()
-            )
-            for q, ranges in enumerate(plan):
-                for b, lo, hi in ranges:
-                    a4[b, src, lo:hi].copy_(peer[b, lo:hi])
-                _set_flag(flags, src * splits + q)
-        # This rank's rows of the result, last: nothing waits for them but the end of the call.
-        for b in range(layout.pieces):
-            a4[b, rank].copy_(shard[b])
     main.wait_stream(side)
     _run_barrier(buf, timeout_ns)
     return a, outs

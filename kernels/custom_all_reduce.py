@@ -316,6 +316,13 @@ def get_custom_all_reduce(group: dist.ProcessGroup | None = None, **kwargs) -> C
     return car if car is not None else CustomAllReduce(group, **kwargs)
 
 
+def check(group: dist.ProcessGroup | None = None) -> None:
+    """`CustomAllReduce.check` of the group's all-reduce, if it has one."""
+    car = _REGISTRY.get((group if group is not None else dist.group.WORLD).group_name)
+    if car is not None:
+        car.check()
+
+
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """The fast op, with the reference's signature: sum of `x` over `group` in a new tensor."""
     return get_custom_all_reduce(group).all_reduce(x)
@@ -326,6 +333,7 @@ __all__ = [
     "CustomAllReduce",
     "all_reduce",
     "all_reduce_reference",
+    "check",
     "choose_algorithm",
     "launch_config",
 ]

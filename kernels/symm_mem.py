@@ -52,6 +52,8 @@ NUM_BARRIERS = tl.constexpr(2)  # distinct barrier ids per kernel
 PAD_INT32S = NUM_BARRIERS.value * MAX_BLOCKS.value * MAX_WORLD.value
 DEFAULT_TIMEOUT_S = float(os.environ.get("WEFT_SYMM_MEM_TIMEOUT_S", "30"))
 MIN_SIZE_CLASS = 1 << 20
+# Triton's interpreter (the CPU tests) runs no PTX: kernels leave out their inline assembly under it.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 _OPS: list[str] = []
 
@@ -312,6 +314,17 @@ def _spin_until(addrs, target, timeout_ns):
         is_pure=False,
         pack=1,
     )
+
+
+@triton.jit
+def fence_async_proxy(ON: tl.constexpr):
+    """Order this thread's earlier generic-proxy accesses (the acquire of a flag) before its later
+    async-proxy ones (TMA loads of the data the flag announces): the PTX memory model orders the two
+    proxies only through `fence.proxy.async`. ON=False under the interpreter."""
+    if ON:
+        tl.inline_asm_elementwise(
+            "fence.proxy.async.global;\n mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+        )
 
 
 @triton.jit

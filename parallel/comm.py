@@ -89,6 +89,11 @@ class Comm:
         """None when `op` runs on this path, else a reason."""
         return None
 
+    def check(self) -> None:
+        """Raise if an op of this path gave up waiting for a peer. weft's kernels record a timed-out
+        wait on the device (then skip their later waits) instead of hanging; the stock collectives
+        raise their own errors, so here there is nothing to do."""
+
     def require(self, ops: Sequence[str]) -> None:
         """Fail at set-up (before any work) when an op the model will call is missing."""
         for op in ops:
@@ -305,6 +310,10 @@ class TritonComm(Comm):
     def available(self, op: str) -> str | None:
         return None if self._kernels.get(op) is not None else _no_kernel(op)
 
+    def check(self) -> None:
+        for module in sorted({module for module, _ in TRITON_KERNELS.values()}):
+            importlib.import_module(module).check(self.group)
+
     def _kernel(self, op: str):
         self.require([op])
         return self._kernels[op]
@@ -326,6 +335,14 @@ class TritonComm(Comm):
 
 
 _PATHS: dict[str, type[Comm]] = {"torch": TorchComm, "symm_mem": SymmMemComm, "triton": TritonComm}
+
+
+def check_comms() -> None:
+    """`Comm.check` of every comm path built in this process: raises SymmMemTimeout naming the rank,
+    op and missing peer after a kernel's bounded wait gave up. It reads small status words from the
+    device, so call it where the host waits for the device anyway (train.py: after reading the loss)."""
+    for comm in {id(c): c for c in _BY_GROUP.values()}.values():
+        comm.check()
 
 
 def check_ops(path: str, ops: Sequence[str]) -> None:

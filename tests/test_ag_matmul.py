@@ -16,6 +16,10 @@ enters -> SymmMemTimeout naming it.
 """
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,6 +156,53 @@ def test_gemm_kernel_math(case) -> None:
         assert not out.isnan().any(), f"weight {i}: tiles left unwritten"
         err = (out.float() - ref).norm() / ref.norm()
         assert err < 2e-3, f"weight {i}: relative error {err:.2e}"
+
+
+def _compile_sm90(world: int, config: ag.GemmConfig, b_kn: bool, num_w: int) -> str:
+    """PTX of the GEMM for sm_90, with the signature and specialization a launch gives."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    b_block = f"[{bk},{bn}]" if b_kn else f"[{bn},{bk}]"
+    sig = {"own_desc": f"tensordesc<bf16[1,{bm},{bk}]>", "a_desc": f"tensordesc<bf16[1,{bm},{bk}]>"}
+    sig.update({f"b{i}_desc": f"tensordesc<bf16{b_block}>" for i in range(ag.MAX_WEIGHTS)})
+    sig.update({f"c{i}_desc": f"tensordesc<bf16[1,{bm},{bn}]>" for i in range(ag.MAX_WEIGHTS)})
+    scalars = ["timeout_ns", "k", "tiles_per_piece", "pieces", "nt0", "nt1", "nt2", "nt3"]
+    sig.update(
+        {"flags_ptr": "*u32", "status_ptr": "*i32"} | dict.fromkeys(scalars, "i32") | {"timeout_ns": "i64"}
+    )
+    const = {"RANK": world - 1, "WORLD": world, "NUM_W": num_w, "SPLITS": config.splits, "B_KN": b_kn,
+             "BM": bm, "BN": bn, "BK": bk, "GROUP_M": config.group_m, "OP_ID": 1, "FENCE": True}  # fmt: skip
+    sig.update(dict.fromkeys(const, "constexpr"))
+    names = ag._ag_matmul_kernel.arg_names
+    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("flags_ptr", "status_ptr")}
+    src = ASTSource(fn=ag._ag_matmul_kernel, signature=sig, constexprs=const, attrs=attrs)
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    assert compiled.metadata.shared <= 227 * 1024, (
+        f"{config}: {compiled.metadata.shared} bytes of shared memory"
+    )
+    return compiled.asm["ptx"]
+
+
+def check_sm90_ptx() -> None:
+    """Compile the GEMM for sm_90 with the table's configs and check the PTX has what the design relies
+    on. Runs in a process without TRITON_INTERPRET (the interpreter replaces @triton.jit)."""
+    for world, n_total, b_kn, num_w in [(4, 7168, False, 1), (2, 1000, True, 3), (8, 14336, False, 4)]:
+        ptx = _compile_sm90(world, ag.pick_config(n_total), b_kn, num_w)
+        what = f"world {world} N {n_total} kn={b_kn} weights {num_w}"
+        assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, f"{what}: no wgmma / TMA loads"
+        assert "ld.acquire.sys" in ptx and "%globaltimer" in ptx, f"{what}: waits must be bounded acquires"
+        assert "fence.proxy.async" in ptx, f"{what}: no proxy fence between the flag and the TMA loads"
+
+
+def test_kernel_compiles_for_sm90() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "from tests.test_ag_matmul import check_sm90_ptx; check_sm90_ptx()"
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-4000:]
 
 
 def test_launch_gemm_refuses_mixed_layouts() -> None:

@@ -373,6 +373,40 @@ def test_triton_path_names_missing_ops(monkeypatch) -> None:
         comm.matmul_reduce_scatter(torch.zeros(2, 2), torch.zeros(2, 2), 0)
 
 
+def test_check_comms_raises_a_kernel_timeout(monkeypatch) -> None:
+    """train.py's per-step check asks every kernel module of the triton path for recorded timeouts."""
+    import importlib
+
+    import kernels.custom_all_reduce
+    import parallel.comm as comm_module
+    from kernels.symm_mem import SymmMemTimeout
+
+    monkeypatch.setattr(comm_module, "_check_cuda_peers", lambda group, path: None)
+    monkeypatch.setattr(kernels.custom_all_reduce, "get_custom_all_reduce", lambda group: None)
+    monkeypatch.setattr(comm_module.dist, "get_world_size", lambda group: 2)
+    monkeypatch.setattr(comm_module.dist, "get_rank", lambda group: 0)
+    monkeypatch.setattr(comm_module, "_BY_GROUP", {})
+
+    class Group:
+        group_name = "fake"
+
+    comm = comm_module.TritonComm(Group())
+    checked = []
+    modules = {module for module, _ in comm_module.TRITON_KERNELS.values()}
+    for module in modules:
+        record = lambda group, module=module: checked.append((module, group))
+        monkeypatch.setattr(importlib.import_module(module), "check", record)
+    comm_module.check_comms()
+    assert sorted(checked, key=lambda c: c[0]) == [(m, comm.group) for m in sorted(modules)]
+
+    def timed_out(group) -> None:
+        raise SymmMemTimeout("rank 0: matmul_reduce_scatter waiting for rank 1")
+
+    monkeypatch.setattr(importlib.import_module("kernels.matmul_rs"), "check", timed_out)
+    with pytest.raises(SymmMemTimeout, match="waiting for rank 1"):
+        comm_module.check_comms()
+
+
 # -- end to end: torchrun train.py / serve.py ------------------------------------------------------------
 
 
