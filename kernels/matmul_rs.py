@@ -18,8 +18,8 @@ tile never crosses a block (R need not be a multiple of the tile: loads clip, st
 output shard and every pushed slot are [P, R, N]. dim=0 and 2-D `a` are P = 1; the model's [B, S, K]
 with dim=1 is P = B, so no permute copy is needed for B > 1.
 
-Tile schedule (program i of G walks tiles i, i + G, ...)
--------------------------------------------------------
+Tile schedule (programs claim tiles in this order from a per-launch counter)
+---------------------------------------------------------------------------
 W steps of T = P * ceil(R / BM) * ceil(N / BN) tiles: step s computes the rows of destination
 (rank + 1 + s) % W, so this rank's own rows come last and, at every moment, every rank's rows are being
 computed by some peer. Inside a step the (row tile, column tile) pairs follow a group-M swizzle (GROUP_M
@@ -33,7 +33,11 @@ row tiles share their B tiles in L2); every rank uses the same order inside a st
 * A tile of this rank's rows waits (acquire, bounded) until the W - 1 peers' flags of that tile reached
   `epoch + 1`, then adds their bf16 partials to its own fp32 accumulator in rank order and writes the
   output shard. Only the last 1/W of the GEMM waits, and only on peers' GEMM tiles that never wait
-  themselves, so there is no wait cycle whatever the SM occupancy.
+  themselves. Tiles are claimed (an atomic counter, zeroed per launch) rather than dealt out by
+  program id, so every push tile is taken by a program that is running: when another kernel (FSDP's
+  NCCL collectives, say) holds some SMs, the programs that are not yet resident hold no pushes that
+  resident programs of the peers could be spinning for, and there is no wait cycle whatever the SM
+  occupancy.
 
 Flags are per tile and hold the epoch of the call that wrote them (`epoch` counts the calls on the
 group, kept on the device beside the flags as in kernels/symm_mem.py): they are never reset, a stale
@@ -263,12 +267,13 @@ def _reduce_half(part, data, slot_numel, piece, row0, n0, rows, n, out_ptr,
 @triton.jit
 def _matmul_rs_kernel(
     a_desc, b_desc, out_ptr, data_table, data_offset, data_half, flag_table, flag_offset, flag_half,
-    epoch_ptr, status_ptr, timeout_ns, k, rows, n, pieces, tile_begin, tile_end,
+    epoch_ptr, status_ptr, claim_ptr, timeout_ns, k, rows, n, pieces, tile_begin, tile_end,
     RANK: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     GROUP_M: tl.constexpr, B_KN: tl.constexpr, EPOCH_SLOTS: tl.constexpr, OP_ID: tl.constexpr,
 ):  # fmt: skip
     """Persistent GEMM + reduce-scatter over tiles [tile_begin, tile_end) of `_tile_coords`' order
-    (the whole call is [0, W * T)); see the module docstring."""
+    (the whole call is [0, W * T)), claimed one by one through the zeroed int32 at `claim_ptr`; see
+    the module docstring."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     DT: tl.constexpr = out_ptr.dtype.element_ty
@@ -287,7 +292,8 @@ def _matmul_rs_kernel(
     # from the start: loop-carried values keep one type.
     pending_dest = pid * 0 - 1
     pending_flag = pid * 0
-    for tile in range(tile_begin + pid, tile_end, nprog):
+    tile = tile_begin + tl.atomic_add(claim_ptr, 1, sem="relaxed")
+    while tile < tile_end:
         dest, m, j = _tile_coords(tile, tiles_per_dest, row_tiles, n_tiles, RANK, WORLD, GROUP_M)
         piece = m // row_tiles_per_piece
         row0 = (m % row_tiles_per_piece) * BM
@@ -316,6 +322,7 @@ def _matmul_rs_kernel(
             data = _rank_base(data_table, RANK, data_offset, DT)
             _reduce_half(left, data, slot_numel, piece, row0, n0, rows, n, out_ptr, RANK, WORLD, BM, BH)
             _reduce_half(right, data, slot_numel, piece, row0, n0 + BH, rows, n, out_ptr, RANK, WORLD, BM, BH)
+        tile = tile_begin + tl.atomic_add(claim_ptr, 1, sem="relaxed")
     if pending_dest >= 0:
         _announce(flag_table, pending_dest, flag_offset, pending_flag, epoch + 1)
     # Every slot advances (each program writes slots pid, pid + nprog, ...): the next launch may use
@@ -390,10 +397,11 @@ def launch(
         b_desc = TensorDescriptor(b, [k, n], [n, 1], [bk, bn])
     else:
         b_desc = TensorDescriptor(b.t(), [n, k], [k, 1], [bn, bk])
+    claims = torch.zeros(1, dtype=torch.int32, device=a.device)
     _matmul_rs_kernel[(num_programs,)](
         a_desc, b_desc, out, buffers.data_table, buffers.data_offset, buffers.data_half,
         buffers.flag_table, buffers.flag_offset, buffers.flag_half, buffers.epochs, buffers.status,
-        timeout_ns, k, r, n, p, begin, end,
+        claims, timeout_ns, k, r, n, p, begin, end,
         RANK=rank, WORLD=w, BM=bm, BN=bn, BK=bk, GROUP_M=config.group_m, B_KN=b_kn,
         EPOCH_SLOTS=EPOCH_SLOTS, OP_ID=OP, num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip

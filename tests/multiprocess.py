@@ -28,6 +28,10 @@ import torch.multiprocessing as mp
 
 # The world sizes of the multi-GPU tests; each runs only where that many GPUs are visible.
 GPU_WORLDS = [pytest.param(w, marks=pytest.mark.multigpu(n=w)) for w in (2, 4, 8)]
+# The bounded wait of the GPU timeout tests. Triton compiles a kernel again when an integer argument
+# changes type: 3 s is, like the default 30 s, an int64 of nanoseconds (0.5 s would be an int32), so the
+# present ranks run the kernels compiled by earlier calls and none waits on a peer still compiling.
+TIMEOUT_TEST_S = 3.0
 
 
 def free_port() -> int:

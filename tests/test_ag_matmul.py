@@ -29,7 +29,7 @@ import triton.language as tl
 
 from kernels import ag_matmul as ag
 from kernels.symm_mem import SymmMemTimeout
-from tests.multiprocess import GPU_WORLDS, run_ranks
+from tests.multiprocess import GPU_WORLDS, TIMEOUT_TEST_S, run_ranks
 
 # ------------------------------------------------------------------------------------ CPU: schedule
 
@@ -423,7 +423,7 @@ def _timeout(rank: int, world: int) -> None:
     ag.prepare(group, shard.numel() * shard.element_size())
     dist.barrier()
     if rank != absent:
-        ag.all_gather_matmul_kernel(shard, bs, 0, group, timeout_s=0.5)
+        ag.all_gather_matmul_kernel(shard, bs, 0, group, timeout_s=TIMEOUT_TEST_S)
         torch.cuda.synchronize()
         with pytest.raises(
             SymmMemTimeout, match=rf"rank {rank}: all_gather_matmul .* waiting for rank {absent}"

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from kernels.all_reduce import SENTINEL
 from kernels.custom_all_reduce import ALGORITHMS, CustomAllReduce
 from kernels.symm_mem import SymmMemTimeout, check_status
-from tests.multiprocess import GPU_WORLDS, run_ranks
+from tests.multiprocess import GPU_WORLDS, TIMEOUT_TEST_S, run_ranks
 
 TOL = {  # (rtol, atol) against NCCL, which rounds to the dtype after every partial sum
     torch.bfloat16: (1.6e-2, 3e-2),
@@ -177,7 +177,7 @@ def graphs(car: CustomAllReduce, rank: int) -> None:
 
 
 def timeout(rank: int, world: int) -> None:
-    car = CustomAllReduce(max_size=1 << 20, timeout_s=0.5, tag="timeout-test")
+    car = CustomAllReduce(max_size=1 << 20, timeout_s=TIMEOUT_TEST_S, tag="timeout-test")
     dev = torch.device("cuda", torch.cuda.current_device())
     absent = world - 1
     if rank != absent:

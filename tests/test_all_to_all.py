@@ -50,7 +50,7 @@ from kernels.all_to_all import (
     seq_to_heads_reference,
 )
 from kernels.symm_mem import SymmMemTimeout, size_class
-from tests.multiprocess import GPU_WORLDS, run_ranks
+from tests.multiprocess import GPU_WORLDS, TIMEOUT_TEST_S, run_ranks
 
 # ------------------------------------------------------------------------------- the definition
 
@@ -470,7 +470,7 @@ def _timeout(rank: int, world: int) -> None:
     torch.cuda.synchronize()
     absent = world - 1
     if rank != absent:
-        all_to_all_kernel(xs, dist.group.WORLD, True, timeout_s=0.5, tag="timeout-test")
+        all_to_all_kernel(xs, dist.group.WORLD, True, timeout_s=TIMEOUT_TEST_S, tag="timeout-test")
         torch.cuda.synchronize()
         with pytest.raises(SymmMemTimeout, match=rf"rank {rank}: .* waiting for rank {absent}"):
             check(tag="timeout-test")

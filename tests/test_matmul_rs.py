@@ -35,7 +35,7 @@ import triton.language as tl
 
 from kernels import matmul_rs as mrs
 from kernels.symm_mem import SymmMemTimeout
-from tests.multiprocess import GPU_WORLDS, run_ranks
+from tests.multiprocess import GPU_WORLDS, TIMEOUT_TEST_S, run_ranks
 
 # ------------------------------------------------------------------------------------ CPU: schedule
 
@@ -208,14 +208,14 @@ def _compile_sm90(world: int, config: mrs.GemmConfig, b_kn: bool) -> str:
         "b_desc": f"tensordesc<bf16[{bk},{bn}]>" if b_kn else f"tensordesc<bf16[{bn},{bk}]>",
         "out_ptr": "*bf16", "data_table": "i64", "data_offset": "i64", "data_half": "i64",
         "flag_table": "i64", "flag_offset": "i64", "flag_half": "i32", "epoch_ptr": "*i32",
-        "status_ptr": "*i32", "timeout_ns": "i64", "k": "i32", "rows": "i32", "n": "i32", "pieces": "i32",
-        "tile_begin": "i32", "tile_end": "i32",
+        "status_ptr": "*i32", "claim_ptr": "*i32", "timeout_ns": "i64", "k": "i32", "rows": "i32",
+        "n": "i32", "pieces": "i32", "tile_begin": "i32", "tile_end": "i32",
     }  # fmt: skip
     const = {"RANK": world - 1, "WORLD": world, "BM": bm, "BN": bn, "BK": bk, "GROUP_M": config.group_m,
              "B_KN": b_kn, "EPOCH_SLOTS": mrs.EPOCH_SLOTS, "OP_ID": 1, "pieces": 1}  # fmt: skip
     sig.update(dict.fromkeys(const, "constexpr"))
     names = mrs._matmul_rs_kernel.arg_names
-    aligned = ("out_ptr", "epoch_ptr", "status_ptr", "k", "n", "rows")
+    aligned = ("out_ptr", "epoch_ptr", "status_ptr", "claim_ptr", "k", "n", "rows")
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn=mrs._matmul_rs_kernel, signature=sig, constexprs=const, attrs=attrs)
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
@@ -440,7 +440,7 @@ def _timeout(rank: int, world: int) -> None:
     mrs.prepare(a, b, 0, group)
     dist.barrier()
     if rank != absent:
-        mrs.matmul_reduce_scatter_kernel(a, b, 0, group, timeout_s=0.5)
+        mrs.matmul_reduce_scatter_kernel(a, b, 0, group, timeout_s=TIMEOUT_TEST_S)
         torch.cuda.synchronize()
         with pytest.raises(
             SymmMemTimeout, match=rf"rank {rank}: matmul_reduce_scatter .* waiting for rank {absent}"
