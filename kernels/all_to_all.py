@@ -41,7 +41,8 @@ barrier: a peer writes image n & 1 again in call n + 2, which it starts after it
 rank's flags of call n + 1, i.e. after this rank finished call n (every call waits on every peer).
 Flags (int32, zeroed once) are written with epoch + 1 and only grow; the epoch, status word and
 bounded waits are kernels/symm_mem.py's. The first call of a size class allocates (collective, not
-capturable): make one eager call of each shape, or call `prepare`, before capturing a CUDA graph.
+capturable), and a new shape may compile the kernel: make one eager call of each shape before
+capturing a CUDA graph (`prepare` allocates, but compiles nothing).
 
 What runs where: the kernel for CUDA tensors of bf16/fp16/fp32 with 16-byte head rows on 2, 4 or 8
 ranks; the reference for other well-formed inputs (`fallback_reason` says why); an error otherwise.
@@ -363,8 +364,8 @@ _NUM_SMS: dict[int, int] = {}
 
 def prepare(group: dist.ProcessGroup, image_bytes: int, tag: str = BUFFER_TAG) -> SymmBuffer:
     """The symmetric buffer for outputs of up to `image_bytes` bytes, allocated and its flags zeroed on
-    the first use of its size class (collective over `group`, not capturable): make one eager call of
-    each shape, or call this, before capturing a CUDA graph."""
+    the first use of its size class (collective over `group`, not capturable). Before capturing a CUDA
+    graph, make one eager call of each shape instead: it also compiles the kernel."""
     nbytes = buffer_bytes(image_bytes)
     buf = get_symm_buffer(group, nbytes, torch.uint8, tag=tag)
     key = (group.group_name, tag, id(buf))
@@ -372,7 +373,7 @@ def prepare(group: dist.ProcessGroup, image_bytes: int, tag: str = BUFFER_TAG) -
         if torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 f"all_to_all: no symmetric buffer for {nbytes} bytes yet, and allocating one is collective: "
-                "make one eager call of this shape (or call kernels.all_to_all.prepare) before capturing"
+                "make one eager call of this shape before capturing the CUDA graph"
             )
         buf.tensor[: FLAG_BYTES.value].zero_()
         torch.cuda.synchronize()

@@ -62,8 +62,9 @@ What runs where (decided here; parallel/comm.py's triton path calls `matmul_redu
   or world size, misaligned K or N, ...), `fallback_reason` says why;
 * an error for calls no path can run: CPU tensors, mismatched shapes or dtypes, d_dim not divisible by W.
 The first call of a size class allocates its data buffer (collective; the first call on a group also
-the flag buffer): call `prepare(a, b, dim, group)` or make one eager call of the size before capturing a
-CUDA graph. Memory: 2 (W - 1) / W * M * N * 2 bytes per rank, rounded up to a power of two.
+the flag buffer), and a new shape may compile the kernel: make one eager call of each shape before
+capturing a CUDA graph (`prepare` allocates, but compiles nothing). Memory: 2 (W - 1) / W * M * N * 2
+bytes per rank, rounded up to a power of two.
 """
 
 from __future__ import annotations
@@ -504,7 +505,8 @@ def _data_bytes(layout: ScatterLayout) -> int:
 
 def prepare(a: torch.Tensor, b: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None) -> Buffers:
     """The symmetric state of a call with these arguments, allocated on first use (collective over
-    `group`): call it, or make one eager call of the size, before capturing a CUDA graph."""
+    `group`). Before capturing a CUDA graph, make one eager call of each shape instead: it also compiles
+    and loads the kernel, which cannot happen during a capture."""
     group = group if group is not None else dist.group.WORLD
     layout = scatter_layout(a.shape, dim, b.shape[1], dist.get_world_size(group))
     flags = _flag_buffer(group)
@@ -547,8 +549,8 @@ def matmul_reduce_scatter_kernel(
     ):
         raise RuntimeError(
             f"matmul_reduce_scatter: no symmetric buffers for a {tuple(a.shape)} x {tuple(b.shape)} call "
-            "yet, and allocating them is collective: call kernels.matmul_rs.prepare(a, b, dim, group) or "
-            "run one eager call of this size before capturing the CUDA graph"
+            "yet, and allocating them is collective: run one eager call with these shapes before "
+            "capturing the CUDA graph"
         )
     buffers = prepare(a, b, dim, group)
     cfg = config or pick_config(layout.n)
