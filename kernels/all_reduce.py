@@ -407,6 +407,13 @@ def _note_timeout(pending, give_up, status_ptr, op: tl.constexpr, where: tl.cons
 
 
 @triton.jit
+def _timed_out_before(status_ptr):
+    """Whether a wait on this buffer already timed out, as one value for the whole program: threads
+    load the status word at different moments, and the wait loops need every thread to agree."""
+    return tl.max(tl.load(status_ptr + tl.zeros([2], tl.int32), volatile=True), axis=0)
+
+
+@triton.jit
 def _rank_words(buf_ptrs, ranks, base_vecs):
     """Rank(s) `ranks`' push buffer as int32 pointer(s)."""
     base = tl.load(buf_ptrs.to(tl.pointer_type(tl.uint64)) + ranks).to(tl.pointer_type(tl.int32))
@@ -441,7 +448,7 @@ def _one_shot_push_kernel(
         mask = (offs < n_words) & (ranks[:, None] >= 0)
         words = sanitize(tl.load(inp_ptr + offs, mask=offs < n_words), DT)
         tl.store(outbox + offs, tl.broadcast_to(words, [WORLD, BLOCK_W]), mask=mask)
-    give_up = tl.load(status_ptr, volatile=True)
+    give_up = _timed_out_before(status_ptr)
     for start in range(pid * BLOCK_V, n_vec, nprog * BLOCK_V):
         offs = start * WORDS_PER_VECTOR + lanes
         mask = (offs < n_words) & (ranks[:, None] >= 0)
@@ -483,7 +490,7 @@ def _two_shot_push_kernel(
         mask = (k < chunk_words) & (rows * chunk_words + k < n_words)
         words = sanitize(tl.load(inp_ptr + rows * chunk_words + k, mask=mask), DT)
         tl.store(to_reduce + k, words, mask=mask)
-    give_up = tl.load(status_ptr, volatile=True)
+    give_up = _timed_out_before(status_ptr)
     for start in range(pid * BLOCK_V, chunk, nprog * BLOCK_V):
         k = start * WORDS_PER_VECTOR + lanes
         mask = (k < chunk_words) & (RANK * chunk_words + k < n_words) & (rows >= 0)

@@ -69,6 +69,7 @@ from kernels.symm_mem import (
     get_symm_buffer,
     load_epoch,
     op_id,
+    size_class,
     wait_flag,
 )
 
@@ -307,9 +308,17 @@ def fallback_reason(xs: Sequence[torch.Tensor], world: int) -> str | None:
 
 def readable(x: torch.Tensor) -> bool:
     """True when the kernel reads `x` in place: 16-byte aligned, contiguous head dim, every other
-    stride a whole number of 16-byte vectors."""
+    stride a whole number of 16-byte vectors (the stride of a dimension of size 1 is never used)."""
     vec = VECTOR_BYTES // x.element_size()
-    return x.stride(3) == 1 and all(s % vec == 0 for s in x.stride()[:3]) and x.data_ptr() % VECTOR_BYTES == 0
+    strides = all(s % vec == 0 for size, s in zip(x.shape[:3], x.stride()[:3], strict=True) if size > 1)
+    return x.stride(3) == 1 and strides and x.data_ptr() % VECTOR_BYTES == 0
+
+
+def vector_strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """The kernel's view of a `readable` [B, H, S, D] input: its first three strides in 16-byte
+    vectors, 0 for a dimension of size 1."""
+    vec = VECTOR_BYTES // x.element_size()
+    return tuple(s // vec if size > 1 else 0 for size, s in zip(x.shape[:3], x.stride()[:3], strict=True))
 
 
 def new_output(shape: Sequence[int], seq_to_heads: bool, like: torch.Tensor) -> torch.Tensor:
@@ -367,14 +376,15 @@ def prepare(group: dist.ProcessGroup, image_bytes: int, tag: str = BUFFER_TAG) -
     the first use of its size class (collective over `group`, not capturable). Before capturing a CUDA
     graph, make one eager call of each shape instead: it also compiles the kernel."""
     nbytes = buffer_bytes(image_bytes)
+    key = (group.group_name, tag, size_class(nbytes))
+    if key not in _READY and torch.cuda.is_current_stream_capturing():
+        # Checked before get_symm_buffer, whose collective allocation cannot run inside a capture.
+        raise RuntimeError(
+            f"all_to_all: no symmetric buffer for {nbytes} bytes yet, and allocating one is collective: "
+            "make one eager call of this shape before capturing the CUDA graph"
+        )
     buf = get_symm_buffer(group, nbytes, torch.uint8, tag=tag)
-    key = (group.group_name, tag, id(buf))
     if key not in _READY:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"all_to_all: no symmetric buffer for {nbytes} bytes yet, and allocating one is collective: "
-                "make one eager call of this shape before capturing the CUDA graph"
-            )
         buf.tensor[: FLAG_BYTES.value].zero_()
         torch.cuda.synchronize()
         dist.barrier(group=group)  # every rank's flags zeroed before any peer signals
@@ -416,7 +426,7 @@ def launch_all_to_all(
         if not readable(x):
             raise ValueError(
                 f"all_to_all: input of strides {x.stride()} is not readable in place (needs a contiguous, "
-                "16-byte aligned head dim and 16-byte multiple strides): pass x.contiguous()"
+                "16-byte aligned head dim and 16-byte multiple strides): pass a fresh contiguous copy"
             )
     for o in outs:
         if not o.is_cuda or o.data_ptr() % VECTOR_BYTES:
@@ -438,7 +448,7 @@ def launch_all_to_all(
         max_programs = _NUM_SMS[device]
     block_rows, programs = schedule(n_rows, row_bytes, max_programs, chunks)
     _all_to_all_kernel[(programs,)](
-        tuple(xs), tuple(tuple(s // vec for s in x.stride()[:3]) for x in xs), tuple(outs), tuple(offsets),
+        tuple(xs), tuple(vector_strides(x) for x in xs), tuple(outs), tuple(offsets),
         buf.buffer_ptrs_dev, buf.base_offset, stride, buf.epoch, buf.status,
         n_rows, seq_local, block_rows, timeout_ns,
         HEADS=heads, REPS=reps, RANK=rank, WORLD=world, HEAD_DIM=dim, VEC=vec,
@@ -456,7 +466,8 @@ def all_to_all_kernel(
 ) -> list[torch.Tensor]:
     """The kernel path (callers check `fallback_reason` first): see the module docstring."""
     world = dist.get_world_size(group)
-    xs = [x if readable(x) else x.contiguous() for x in xs]
+    # A copy, not x.contiguous(): a contiguous tensor may still be misaligned.
+    xs = [x if readable(x) else x.clone(memory_format=torch.contiguous_format) for x in xs]
     outs = [new_output(output_shape(x.shape, world, seq_to_heads), seq_to_heads, x) for x in xs]
     _, image_bytes = image_layout([o.shape for o in outs], xs[0].element_size())
     buf = prepare(group, image_bytes, tag)
@@ -528,12 +539,15 @@ def _exchange(xs: list[torch.Tensor], group_name: str, seq_to_heads: bool) -> li
             f"all_to_all (parallel.comm=triton) needs CUDA tensors, got {xs[0].device}: use "
             "parallel.comm=torch (or seq_to_heads_reference / heads_to_seq_reference) on CPU"
         )
-    if world == 1:
-        return [x.clone() for x in xs]
-    if fallback_reason(xs, world) is not None:
-        reference = seq_to_heads_reference if seq_to_heads else heads_to_seq_reference
-        return reference(xs, group)
-    return all_to_all_kernel(xs, group, seq_to_heads)
+    if world > 1 and fallback_reason(xs, world) is None:
+        return all_to_all_kernel(xs, group, seq_to_heads)
+    reference = seq_to_heads_reference if seq_to_heads else heads_to_seq_reference
+    results = [x.clone() for x in xs] if world == 1 else reference(xs, group)
+    # Every path returns the kernel's memory layout, which the fake op promises to torch.compile.
+    outs = [new_output(r.shape, seq_to_heads, r) for r in results]
+    for out, result in zip(outs, results, strict=True):
+        out.copy_(result)
+    return outs
 
 
 def _fake(xs: list[torch.Tensor], group_name: str, seq_to_heads: bool) -> list[torch.Tensor]:

@@ -48,6 +48,7 @@ from kernels.all_to_all import (
     schedule,
     seq_to_heads,
     seq_to_heads_reference,
+    vector_strides,
 )
 from kernels.symm_mem import SymmMemTimeout, size_class
 from tests.multiprocess import GPU_WORLDS, TIMEOUT_TEST_S, run_ranks
@@ -252,6 +253,13 @@ def test_layout_helpers() -> None:
     assert readable(torch.empty(2, 4, 5, 16)[..., :8])  # fp32 rows 64 bytes apart
     assert not readable(torch.empty(2, 4, 5, 6)[..., :4])  # rows 24 bytes apart
     assert not readable(torch.empty(2, 4, 5, 16).transpose(2, 3))  # head dim not contiguous
+    # A dimension of size 1 may carry any stride (torch ignores it for contiguity): never used.
+    one_head = torch.empty(2, 5, 1, 16).as_strided((2, 1, 5, 16), (80, 3, 16, 1))
+    assert readable(one_head) and vector_strides(one_head) == (20, 0, 4)
+    # Contiguous but 4 bytes off a 16-byte boundary: a fresh copy is needed, x.contiguous() is x.
+    misaligned = torch.empty(1 + 2 * 4 * 5 * 16)[1:].view(2, 4, 5, 16)
+    assert misaligned.is_contiguous() and not readable(misaligned)
+    assert readable(misaligned.clone(memory_format=torch.contiguous_format))
 
 
 def test_validation_says_what_to_change() -> None:
