@@ -197,8 +197,9 @@ def test_launch_validates_its_arguments() -> None:
 # ------------------------------------------------------------------------------------ CPU: sm_90 build
 
 
-def _compile_sm90(world: int, config: mrs.GemmConfig, b_kn: bool) -> str:
-    """PTX of the kernel for sm_90, with the signature and specialization a launch gives."""
+def _compile_sm90(world: int, config: mrs.GemmConfig, b_kn: bool, n_multiple_of_16: bool = True) -> str:
+    """PTX of the kernel for sm_90, with the signature and specialization a launch gives (Triton marks
+    an integer argument divisible by 16 when it is: N = 1000 is not)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -215,7 +216,7 @@ def _compile_sm90(world: int, config: mrs.GemmConfig, b_kn: bool) -> str:
              "B_KN": b_kn, "EPOCH_SLOTS": mrs.EPOCH_SLOTS, "OP_ID": 1, "pieces": 1}  # fmt: skip
     sig.update(dict.fromkeys(const, "constexpr"))
     names = mrs._matmul_rs_kernel.arg_names
-    aligned = ("out_ptr", "epoch_ptr", "status_ptr", "claim_ptr", "k", "n", "rows")
+    aligned = ("out_ptr", "epoch_ptr", "status_ptr", "claim_ptr", "k", "rows") + ("n",) * n_multiple_of_16
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn=mrs._matmul_rs_kernel, signature=sig, constexprs=const, attrs=attrs)
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
@@ -229,10 +230,11 @@ def _compile_sm90(world: int, config: mrs.GemmConfig, b_kn: bool) -> str:
 def check_sm90_ptx() -> None:
     """Compile the kernel for sm_90 with the table's configs and check the PTX has what the design
     relies on. Runs in a process without TRITON_INTERPRET (the interpreter replaces @triton.jit)."""
-    for world, config, b_kn in [(4, mrs.pick_config(4096), False), (2, mrs.pick_config(1024), True),
-                                (8, mrs.pick_config(8192), True)]:  # fmt: skip
-        ptx = _compile_sm90(world, config, b_kn)
-        what = f"world {world} {config} kn={b_kn}"
+    cases = [(4, 4096, False, True), (2, 1024, True, True), (8, 8192, True, True), (4, 1000, False, False)]
+    for world, n, b_kn, n16 in cases:
+        config = mrs.pick_config(n)
+        ptx = _compile_sm90(world, config, b_kn, n16)
+        what = f"world {world} {config} kn={b_kn} N%16==0: {n16}"
         assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, f"{what}: no wgmma / TMA loads"
         assert "st.global.v4" in ptx and "ld.global.cg.v4" in ptx, f"{what}: pushes and reads not 16-byte"
         assert "atom.global.sys.release" in ptx or "atom.release.sys" in ptx, f"{what}: no system release"
