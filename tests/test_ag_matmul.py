@@ -16,10 +16,6 @@ enters -> SymmMemTimeout naming it.
 """
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +26,7 @@ import triton.language as tl
 from kernels import ag_matmul as ag
 from kernels.symm_mem import SymmMemTimeout
 from tests.multiprocess import GPU_WORLDS, TIMEOUT_TEST_S, run_ranks
+from tests.sm90 import compile_ptx, run_without_interpreter
 
 # ------------------------------------------------------------------------------------ CPU: schedule
 
@@ -160,30 +157,19 @@ def test_gemm_kernel_math(case) -> None:
 
 def _compile_sm90(world: int, config: ag.GemmConfig, b_kn: bool, num_w: int) -> str:
     """PTX of the GEMM for sm_90, with the signature and specialization a launch gives."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     b_block = f"[{bk},{bn}]" if b_kn else f"[{bn},{bk}]"
     sig = {"own_desc": f"tensordesc<bf16[1,{bm},{bk}]>", "a_desc": f"tensordesc<bf16[1,{bm},{bk}]>"}
     sig.update({f"b{i}_desc": f"tensordesc<bf16{b_block}>" for i in range(ag.MAX_WEIGHTS)})
     sig.update({f"c{i}_desc": f"tensordesc<bf16[1,{bm},{bn}]>" for i in range(ag.MAX_WEIGHTS)})
-    scalars = ["timeout_ns", "k", "tiles_per_piece", "pieces", "nt0", "nt1", "nt2", "nt3"]
-    sig.update(
-        {"flags_ptr": "*u32", "status_ptr": "*i32"} | dict.fromkeys(scalars, "i32") | {"timeout_ns": "i64"}
-    )
+    sig.update({"flags_ptr": "*u32", "status_ptr": "*i32", "timeout_ns": "i64"})
+    sig.update(dict.fromkeys(["k", "tiles_per_piece", "pieces", "nt0", "nt1", "nt2", "nt3"], "i32"))
     const = {"RANK": world - 1, "WORLD": world, "NUM_W": num_w, "SPLITS": config.splits, "B_KN": b_kn,
              "BM": bm, "BN": bn, "BK": bk, "GROUP_M": config.group_m, "OP_ID": 1, "FENCE": True}  # fmt: skip
-    sig.update(dict.fromkeys(const, "constexpr"))
-    names = ag._ag_matmul_kernel.arg_names
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in ("flags_ptr", "status_ptr")}
-    src = ASTSource(fn=ag._ag_matmul_kernel, signature=sig, constexprs=const, attrs=attrs)
-    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    assert compiled.metadata.shared <= 227 * 1024, (
-        f"{config}: {compiled.metadata.shared} bytes of shared memory"
-    )
-    return compiled.asm["ptx"]
+    return compile_ptx(
+        ag._ag_matmul_kernel, sig, const, ("flags_ptr", "status_ptr"),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
 
 
 def check_sm90_ptx() -> None:
@@ -198,11 +184,7 @@ def check_sm90_ptx() -> None:
 
 
 def test_kernel_compiles_for_sm90() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "from tests.test_ag_matmul import check_sm90_ptx; check_sm90_ptx()"
-    root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_without_interpreter("tests.test_ag_matmul")
 
 
 def test_launch_gemm_refuses_mixed_layouts() -> None:

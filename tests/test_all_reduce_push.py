@@ -4,10 +4,6 @@ kernels compiled for sm_90 (Triton's own compiler, no GPU needed) so that a fron
 rather than on the lead's H200s."""
 
 import itertools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +23,7 @@ from kernels.all_reduce import (
     sanitize,
     sum_rows,
 )
+from tests.sm90 import compile_ptx, run_without_interpreter
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -134,19 +131,13 @@ def test_push_layout_rejects_bad_sizes() -> None:
 
 
 def _compile_sm90(kernel, two_shot: bool, world: int, dtype: torch.dtype, warps: int) -> str:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     sig = {"inp_ptr": "*i32", "out_ptr": "*i32", "buf_ptrs": "i64", "epoch_ptr": "*i32",
            "status_ptr": "*i32", "n_vec": "i32", "base_vecs": "i32", "slot_vecs": "i32"}  # fmt: skip
     if two_shot:
         sig["chunk_vecs"] = "i32"
     sig["timeout_ns"] = "i64"
     const = {"RANK": world - 1, "WORLD": world, "DT": TRITON_DTYPES[dtype], "BLOCK_V": warps * 32, "OP": 1}
-    sig.update(dict.fromkeys(const, "constexpr"))
-    src = ASTSource(fn=kernel, signature=sig, constexprs=const)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-    return compiled.asm["ptx"]
+    return compile_ptx(kernel, sig, const, num_warps=warps)
 
 
 def check_sm90_ptx() -> None:
@@ -162,8 +153,4 @@ def check_sm90_ptx() -> None:
 
 
 def test_push_kernels_compile_for_sm90() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "from tests.test_all_reduce_push import check_sm90_ptx; check_sm90_ptx()"
-    root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_without_interpreter("tests.test_all_reduce_push")

@@ -13,11 +13,6 @@ mixed with eager calls; a rank that never enters -> SymmMemTimeout naming it.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -52,6 +47,7 @@ from kernels.all_to_all import (
 )
 from kernels.symm_mem import SymmMemTimeout, size_class
 from tests.multiprocess import GPU_WORLDS, TIMEOUT_TEST_S, run_ranks
+from tests.sm90 import compile_ptx, run_without_interpreter
 
 # ------------------------------------------------------------------------------- the definition
 
@@ -321,9 +317,6 @@ def test_reference_on_gloo() -> None:
 
 
 def _compile_sm90(seq_to_heads: bool, world: int, dtype: torch.dtype, heads: tuple, reps: tuple) -> str:
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kernels.all_to_all import _all_to_all_kernel
 
     n = len(heads)
@@ -336,16 +329,9 @@ def _compile_sm90(seq_to_heads: bool, world: int, dtype: torch.dtype, heads: tup
     vec = 16 // torch.empty((), dtype=dtype).element_size()
     const = {"HEADS": heads, "REPS": reps, "RANK": world - 1, "WORLD": world, "HEAD_DIM": 128, "VEC": vec,
              "SEQ_TO_HEADS": seq_to_heads, "TILE": 8192, "OP": 1}  # fmt: skip
-    sig.update(dict.fromkeys(const, "constexpr"))
     # What the launcher's specialization gives: tensors and image offsets 16-byte aligned.
-    names = _all_to_all_kernel.arg_names
-    attrs = {
-        (names.index(a), t): [["tt.divisibility", 16]]
-        for a in ("ins", "outs", "image_offsets")
-        for t in range(n)
-    }
-    src = ASTSource(fn=_all_to_all_kernel, signature=sig, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+    aligned = [(a, t) for a in ("ins", "outs", "image_offsets") for t in range(n)]
+    return compile_ptx(_all_to_all_kernel, sig, const, aligned, num_warps=8)
 
 
 def check_sm90_ptx() -> None:
@@ -369,11 +355,7 @@ def check_sm90_ptx() -> None:
 
 
 def test_kernel_compiles_for_sm90() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "from tests.test_all_to_all import check_sm90_ptx; check_sm90_ptx()"
-    root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_without_interpreter("tests.test_all_to_all")
 
 
 # -------------------------------------------------------------------------------------------- GPU

@@ -22,10 +22,6 @@ never enters -> SymmMemTimeout naming it.
 """
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +32,7 @@ import triton.language as tl
 from kernels import matmul_rs as mrs
 from kernels.symm_mem import SymmMemTimeout
 from tests.multiprocess import GPU_WORLDS, TIMEOUT_TEST_S, run_ranks
+from tests.sm90 import compile_ptx, run_without_interpreter
 
 # ------------------------------------------------------------------------------------ CPU: schedule
 
@@ -200,9 +197,6 @@ def test_launch_validates_its_arguments() -> None:
 def _compile_sm90(world: int, config: mrs.GemmConfig, b_kn: bool, n_multiple_of_16: bool = True) -> str:
     """PTX of the kernel for sm_90, with the signature and specialization a launch gives (Triton marks
     an integer argument divisible by 16 when it is: N = 1000 is not)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     sig = {
         "a_desc": f"tensordesc<bf16[1,{bm},{bk}]>",
@@ -214,17 +208,10 @@ def _compile_sm90(world: int, config: mrs.GemmConfig, b_kn: bool, n_multiple_of_
     }  # fmt: skip
     const = {"RANK": world - 1, "WORLD": world, "BM": bm, "BN": bn, "BK": bk, "GROUP_M": config.group_m,
              "B_KN": b_kn, "EPOCH_SLOTS": mrs.EPOCH_SLOTS, "OP_ID": 1, "pieces": 1}  # fmt: skip
-    sig.update(dict.fromkeys(const, "constexpr"))
-    names = mrs._matmul_rs_kernel.arg_names
     aligned = ("out_ptr", "epoch_ptr", "status_ptr", "claim_ptr", "k", "rows") + ("n",) * n_multiple_of_16
-    attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in aligned}
-    src = ASTSource(fn=mrs._matmul_rs_kernel, signature=sig, constexprs=const, attrs=attrs)
-    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    assert compiled.metadata.shared <= 227 * 1024, (
-        f"{config}: {compiled.metadata.shared} bytes of shared memory"
+    return compile_ptx(
+        mrs._matmul_rs_kernel, sig, const, aligned, num_warps=config.num_warps, num_stages=config.num_stages
     )
-    return compiled.asm["ptx"]
 
 
 def check_sm90_ptx() -> None:
@@ -242,11 +229,7 @@ def check_sm90_ptx() -> None:
 
 
 def test_kernel_compiles_for_sm90() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = "from tests.test_matmul_rs import check_sm90_ptx; check_sm90_ptx()"
-    root = Path(__file__).resolve().parent.parent
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-4000:]
+    run_without_interpreter("tests.test_matmul_rs")
 
 
 # ------------------------------------------------------------------------------------ CPU: layout, validation
