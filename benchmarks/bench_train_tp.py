@@ -1,6 +1,6 @@
 """Training throughput of tensor + sequence parallel Llama-3-8B shapes for each comm path, side by side.
 
-    torchrun --nproc_per_node=4 -m benchmarks.bench_train_tp                  # tp=4, 4 layers, seq 8192
+    torchrun --nproc_per_node=4 -m benchmarks.bench_train_tp      # tp = all 4 ranks, 4 layers, seq 8192
     torchrun --nproc_per_node=4 -m benchmarks.bench_train_tp --layers 8 --comms torch symm_mem triton
 
 Llama-3-8B's width (dim 4096, 32 heads / 8 kv heads, MLP 14336, vocabulary 128256) with fewer layers
@@ -112,7 +112,7 @@ def bench_path(comm: str, opts, args: ModelArgs, device: torch.device) -> dict[s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--comms", nargs="+", default=["torch", "symm_mem", "triton"])
-    parser.add_argument("--tp", type=int, default=4)
+    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: all ranks)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=1)
@@ -129,6 +129,7 @@ def main() -> None:
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)
     dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+    opts.tp = opts.tp or dist.get_world_size()
     args = llama3_8b(opts.layers, opts.seq)
     rows = []
     for comm in opts.comms:

@@ -41,7 +41,7 @@ step_command() {
     rs) echo "${RUN[*]} benchmarks/bench_matmul_rs.py" ;;
     a2a) echo "${RUN[*]} benchmarks/bench_all_to_all.py" ;;
     ar) echo "${RUN[*]} -m benchmarks.bench_all_reduce" ;;
-    train) echo "${RUN[*]} -m benchmarks.bench_train_tp --tp $N" ;;
+    train) echo "${RUN[*]} -m benchmarks.bench_train_tp" ;;
     cp) echo "$PY -m benchmarks.loss_curves --device cuda --dim cp --degrees$(cp_degrees) parallel.comm=triton" ;;
     decode) echo "${RUN[*]} -m benchmarks.bench_decode --model llama3_70b --batch-sizes 1 8 32 --comms torch symm_mem triton" ;;
     fp8) echo "$PY -m benchmarks.bench_fp8 && $PY -m benchmarks.bench_decode --model llama3_8b --fp8" ;;
