@@ -34,7 +34,7 @@ from model.tokenizer import load_tokenizer
 from parallel import distributed
 from parallel.checkpoint import materialize
 from parallel.mesh import build_mesh, validate_comm_ops, validate_model
-from parallel.parallelize import ParallelizeConfig, parallelize_llama
+from parallel.parallelize import ParallelizeConfig, fp8_decode_hooks, parallelize_llama
 from train import resolve_device
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -64,7 +64,7 @@ def build_model(
         check_fp8_device(device)
         if dtype != torch.bfloat16:
             raise ValueError(f"model.fp8=true computes in bfloat16: use dtype=bfloat16, not {dtype}")
-        convert_to_fp8(model)
+        convert_to_fp8(model, **fp8_decode_hooks(model))
     return model.eval()
 
 
@@ -171,8 +171,6 @@ def run(cfg: ServeConfig, run_dir: Path) -> None:
             f"serve.py decodes one model over all {dims.world} ranks with tensor parallelism: "
             f"set parallel.tp={dims.world} parallel.cp=1"
         )
-    if dims.tp > 1 and cfg.model.fp8:
-        raise ValueError("model.fp8=true does not yet run with parallel.tp > 1: set parallel.tp=1")
     if cfg.dtype not in DTYPES:
         raise ValueError(f"dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
     dtype = DTYPES[cfg.dtype]

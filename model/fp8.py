@@ -6,9 +6,15 @@ per output channel, and each block run on weft's fused FP8 kernels:
 
 Activations get one scale per token, computed inside the norm and SwiGLU kernels. The projections
 that read the same input are fused into one weight, so each reads its input once and launches once.
+
+A tensor-parallel model (parallel/ planned it; each rank holds its shards) converts the same way, given
+two hooks from parallel/ (`fp8_decode_hooks`): `reduce` sums the partial outputs of the row-parallel wo
+and w2 over the ranks, `gather_logits` joins the vocabulary shards of the output projection.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -41,16 +47,25 @@ class Fp8Weight(nn.Module):
         return fp8_gemm(x_fp8, x_scale, self.weight, self.scale)
 
 
-class Fp8Linear(nn.Module):
-    """A bias-free linear layer on an FP8 copy of `weight` [N, K], quantizing its input per token."""
+Hook = Callable[[torch.Tensor], torch.Tensor]
 
-    def __init__(self, weight: torch.Tensor) -> None:
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+class Fp8Linear(nn.Module):
+    """A bias-free linear layer on an FP8 copy of `weight` [N, K], quantizing its input per token;
+    `after` is applied to its output (the gather of vocabulary shards under tensor parallelism)."""
+
+    def __init__(self, weight: torch.Tensor, after: Hook = _identity) -> None:
         super().__init__()
         self.fp8 = Fp8Weight(weight)
+        self.after = after
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, scale = quantize_per_token(x.reshape(-1, x.shape[-1]))
-        return self.fp8(q, scale).view(*x.shape[:-1], -1)
+        return self.after(self.fp8(q, scale).view(*x.shape[:-1], -1))
 
 
 class FusedRMSNorm(nn.Module):
@@ -67,8 +82,10 @@ class FusedRMSNorm(nn.Module):
 class Fp8Block(nn.Module):
     """A TransformerBlock's weights in FP8, its forward on the fused kernels (module docstring)."""
 
-    def __init__(self, block: TransformerBlock) -> None:
+    def __init__(self, block: TransformerBlock, reduce: Hook = _identity) -> None:
         super().__init__()
+        # Sums the outputs of wo and w2 over the ranks when they are row-parallel shards.
+        self.reduce = reduce
         attn, ffn = block.attention, block.feed_forward
         self.attention = attn  # rotary embeddings, KV cache and attention function stay as they are
         self.qkv = Fp8Weight(attn.wq.weight, attn.wk.weight, attn.wv.weight)
@@ -87,20 +104,21 @@ class Fp8Block(nn.Module):
         xq, xs = add_rmsnorm_fp8(residual, None, self.attention_norm.weight, self.attention_norm.eps, None)
         q, k, v = self.qkv(xq, xs).view(bsz, seqlen, -1).split(self.qkv_sizes, dim=-1)
         attended = self.attention.attend(q, k, v, rope, input_pos).reshape(bsz * seqlen, -1)
-        attn_out = self.wo(*quantize_per_token(attended))
+        attn_out = self.reduce(self.wo(*quantize_per_token(attended)))
         # residual <- residual + attention output (in place); its norm, quantized, feeds the MLP.
         hq, hs = add_rmsnorm_fp8(attn_out, residual, self.ffn_norm.weight, self.ffn_norm.eps, None)
-        mlp_out = self.w2(*swiglu_fp8(self.w13(hq, hs), None))
+        mlp_out = self.reduce(self.w2(*swiglu_fp8(self.w13(hq, hs), None)))
         return (residual + mlp_out).view(bsz, seqlen, dim)
 
 
 @torch.no_grad()
-def convert_to_fp8(model: Llama) -> Llama:
-    """Quantize the model's linear layers in place for FP8 decoding (the embedding stays bf16)."""
+def convert_to_fp8(model: Llama, reduce: Hook = _identity, gather_logits: Hook = _identity) -> Llama:
+    """Quantize the model's linear layers in place for FP8 decoding (the embedding stays bf16); the
+    hooks are a tensor-parallel model's (module docstring)."""
     for i, block in enumerate(model.layers):
-        model.layers[i] = Fp8Block(block)
+        model.layers[i] = Fp8Block(block, reduce)
     model.norm = FusedRMSNorm(model.norm)
-    model.output = Fp8Linear(model.output.weight)  # the embedding's weight when tied
+    model.output = Fp8Linear(model.output.weight, gather_logits)  # the embedding's weight when tied
     if model.tok_embeddings.weight.is_cuda:
         torch.cuda.empty_cache()
     return model

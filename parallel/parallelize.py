@@ -15,6 +15,7 @@ depend on the layout it was saved from.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -225,6 +226,22 @@ def parallelize_llama(model: Llama, mesh: DeviceMesh, cfg: ParallelizeConfig | N
         fsdp=use_fsdp,
     )
     return model
+
+
+def fp8_decode_hooks(model: Llama) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """model.fp8.convert_to_fp8's hooks for a model planned for tensor-parallel decode: the all-reduce
+    of the row-parallel outputs and the all-gather of the vocabulary-sharded logits, as the registered
+    ops of the tp comm path (capturable in CUDA graphs). None needed without tensor parallelism."""
+    state: ParallelState | None = getattr(model, "parallel", None)
+    if state is None or state.tp_ctx is None:
+        return {}
+    if state.tp_ctx.sequence_parallel:
+        raise ValueError("FP8 decode runs on the decode plan: parallelize with sequence_parallel=False")
+    name = state.tp_ctx.comm.group_name
+    return {
+        "reduce": lambda x: torch.ops.weft.tp_all_reduce(x, name),
+        "gather_logits": lambda x: torch.ops.weft.tp_all_gather(x, x.dim() - 1, name),
+    }
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

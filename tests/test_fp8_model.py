@@ -1,5 +1,8 @@
 """model.fp8=true: the FP8 decode model (fused kernels, FP8 weights) tracks the bf16 model, with the
-KV cache, on CPU through Triton's interpreter and on a GPU."""
+KV cache, on CPU through Triton's interpreter and on a GPU; so does its tensor-parallel form (tp=2 on
+gloo, on CPU)."""
+
+import copy
 
 import pytest
 import torch
@@ -40,3 +43,42 @@ def test_fp8_needs_a_gpu_with_fp8() -> None:
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match="CUDA"):
             check_fp8_device(torch.device("cpu"))
+
+
+def _tp_fp8_tracks_bf16(rank: int, world: int) -> None:
+    from parallel.mesh import ParallelDims, build_mesh
+    from parallel.parallelize import ParallelizeConfig, fp8_decode_hooks, parallelize_llama
+
+    args = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=160, ffn_hidden=200)
+    torch.manual_seed(0)  # the same weights and tokens on every rank
+    reference = Llama(args)
+    reference.init_weights()
+    with torch.no_grad():  # blocks that move the residual stream, so that a missing all-reduce shows
+        for layer in reference.layers:
+            layer.attention.wo.weight.mul_(30)
+            layer.feed_forward.w2.weight.mul_(30)
+    reference = reference.to(torch.bfloat16).eval()
+    tokens = torch.randint(0, 160, (2, 12))
+    reference.setup_caches(2, 16)
+    expected = prefill(reference, tokens).float()
+
+    model = copy.deepcopy(reference)
+    model.clear_caches()
+    mesh = build_mesh(ParallelDims(dp=1, cp=1, tp=world), "cpu")
+    parallelize_llama(model, mesh, ParallelizeConfig(sequence_parallel=False, fsdp=False))
+    convert_to_fp8(model, **fp8_decode_hooks(model))
+    assert model.layers[0].qkv.weight.shape[0] == (4 + 2 + 2) * 32 // world  # this rank's heads only
+    model.setup_caches(2, 16)
+    got = prefill(model, tokens).float()
+    assert got.shape == expected.shape  # the vocabulary shards gathered
+    rel = ((got - expected).norm() / expected.norm()).item()
+    assert rel < 0.1, rel
+    step = model(tokens[:, -1:], torch.tensor([12]))[:, -1]
+    assert torch.isfinite(step).all()
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the CPU (gloo + interpreter) form of the tensor-parallel test")
+def test_tensor_parallel_fp8_model_tracks_bf16() -> None:
+    from tests.multiprocess import run_ranks
+
+    run_ranks(_tp_fp8_tracks_bf16, 2)
