@@ -156,7 +156,7 @@ def apply_context_parallel(model: Llama, mesh: DeviceMesh, comm_path: str) -> No
 
     group = mesh["cp"].get_group()
     cp_rank = mesh["cp"].get_local_rank()
-    comm = make_comm(comm_path, group, require=["all_to_all"])
+    comm = make_comm(comm_path, group, require=["seq_to_heads", "heads_to_seq"])
     for block in model.layers:
         base = block.attention.attention_fn
         block.attention.attention_fn = ulysses_attention(

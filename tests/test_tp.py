@@ -373,6 +373,23 @@ def test_triton_path_names_missing_ops(monkeypatch) -> None:
         comm.matmul_reduce_scatter(torch.zeros(2, 2), torch.zeros(2, 2), 0)
 
 
+def _context_parallel_on_the_triton_path(rank: int, world: int) -> None:
+    import parallel.comm as comm_module
+
+    comm_module._check_cuda_peers = lambda group, path: None  # the CUDA checks, not under test here
+    model = full_model(small_args())
+    base = model.layers[0].attention.attention_fn
+    mesh = build_mesh(ParallelDims(dp=1, cp=world, tp=1, comm="triton"), "cpu")
+    parallelize_llama(model, mesh, ParallelizeConfig(comm="triton"))
+    assert model.layers[0].attention.attention_fn is not base  # the Ulysses wrapper
+
+
+def test_context_parallel_asks_the_triton_path_for_its_ops() -> None:
+    """apply_context_parallel requires the ops the Ulysses wrapper calls (seq_to_heads, heads_to_seq),
+    by the names the triton path knows them."""
+    run_ranks(_context_parallel_on_the_triton_path, 2)
+
+
 def test_check_comms_raises_a_kernel_timeout(monkeypatch) -> None:
     """train.py's per-step check asks every kernel module of the triton path for recorded timeouts."""
     import importlib
