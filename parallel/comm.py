@@ -97,6 +97,8 @@ class Comm:
     def require(self, ops: Sequence[str]) -> None:
         """Fail at set-up (before any work) when an op the model will call is missing."""
         for op in ops:
+            if op not in OPS:
+                raise ValueError(f"no comm op is named {op!r}; the ops are {', '.join(OPS)}")
             reason = self.available(op)
             if reason is not None:
                 raise CommUnavailable(f"parallel.comm={self.name}: {op} {reason}")
@@ -348,6 +350,9 @@ def check_comms() -> None:
 def check_ops(path: str, ops: Sequence[str]) -> None:
     """Raise CommUnavailable (one line, naming the op) when `path` has no implementation of one of
     `ops`; needs no process group, so it runs before any work."""
+    unknown = [op for op in ops if op not in OPS]
+    if unknown:
+        raise ValueError(f"no comm op is named {unknown[0]!r}; the ops are {', '.join(OPS)}")
     if path != "triton":
         return
     for op in ops:

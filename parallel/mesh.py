@@ -120,11 +120,12 @@ def validate_comm_ops(dims: ParallelDims, training: bool) -> None:
     training with tp > 1 calls AG-matmul and matmul-RS, decode with tp > 1 the all-reduce, Ulysses
     (cp > 1) the all-to-alls seq_to_heads and heads_to_seq."""
     from parallel.comm import check_ops
+    from parallel.ulysses import ULYSSES_OPS
 
     if dims.tp > 1:
         check_ops(dims.comm, ["all_gather_matmul", "matmul_reduce_scatter"] if training else ["all_reduce"])
     if dims.cp > 1 and training:
-        check_ops(dims.comm, ["seq_to_heads", "heads_to_seq"])
+        check_ops(dims.comm, ULYSSES_OPS)
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:

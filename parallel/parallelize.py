@@ -152,11 +152,11 @@ def apply_tensor_parallel(
 def apply_context_parallel(model: Llama, mesh: DeviceMesh, comm_path: str) -> None:
     """Ulysses attention over the cp group. Each cp rank is given the tokens of its sequence chunk
     (chunks in cp-rank order); a forward pre-hook supplies their positions for the rotary table."""
-    from parallel.ulysses import ulysses_attention
+    from parallel.ulysses import ULYSSES_OPS, ulysses_attention
 
     group = mesh["cp"].get_group()
     cp_rank = mesh["cp"].get_local_rank()
-    comm = make_comm(comm_path, group, require=["seq_to_heads", "heads_to_seq"])
+    comm = make_comm(comm_path, group, require=ULYSSES_OPS)
     for block in model.layers:
         base = block.attention.attention_fn
         block.attention.attention_fn = ulysses_attention(

@@ -25,7 +25,7 @@ from parallel.checkpoint import (
     load_full_model_state,
     load_full_optimizer_state,
 )
-from parallel.comm import CommUnavailable, make_comm
+from parallel.comm import CommUnavailable, check_ops, make_comm
 from parallel.loss import cross_entropy
 from parallel.mesh import (
     ParallelDims,
@@ -322,6 +322,8 @@ def test_bad_layouts_fail_with_one_line_errors() -> None:
     validate_comm_ops(ParallelDims(1, 1, 2, comm="triton"), training=True)
     validate_comm_ops(ParallelDims(1, 1, 2, comm="triton"), training=False)
     validate_comm_ops(ParallelDims(1, 2, 1, comm="triton"), training=True)
+    with pytest.raises(ValueError, match=r"no comm op is named 'all_to_all'; the ops are all_gather_matmul"):
+        check_ops("torch", ["all_to_all"])  # a misspelt op fails on every path, CPU included
 
 
 def _comm_errors(rank: int, world: int) -> None:
