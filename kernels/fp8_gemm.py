@@ -119,7 +119,7 @@ def _skinny_gemm_kernel(
     # The weight is no earlier kernel's output: its first tile streams in before the wait on the
     # previous kernel (PDL), overlapping that kernel's tail; the activations are read after it.
     b = tl.load(b_ptrs, mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
-    pdl_wait(PDL)
+    pdl_wait(PDL, False)
     a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
     if SWAP_AB:
         # out^T = B @ A^T: the weight tile is the MMA's M side (>= 64 rows: Hopper's wgmma, which

@@ -9,7 +9,7 @@ A program holds a whole row in registers, so each element is read once and writt
 of x, 2 of residual in, 2 of residual out and 1 (or 2) of output per element. The mean square and
 the row's amax come out of one reduction (amax |residual * weight| times rstd is amax |y|), so a
 dynamic scale costs no second pass over the row's warps. Few rows: one program per row. Many rows:
-one program per SM walks the rows and loads row i+1 while it finishes row i (kernels.fp8.row_grid).
+two programs per SM walk the rows, each loading row i+1 while it finishes row i (kernels.fp8.row_grid).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def _add_rmsnorm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     if PERSISTENT:
-        pdl_wait(PDL)
+        pdl_wait(PDL, True)
         inv_static = static_inv_scale(scale_ptr, QUANT)
         step = tl.num_programs(0)
         x = tl.load(x_ptr + tl.cast(pid, tl.int64) * stride_x + cols, mask=mask, other=0.0)
@@ -140,7 +140,7 @@ def _add_rmsnorm_kernel(
     else:
         # The weight is no earlier kernel's output: load it before waiting on the previous kernel.
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        pdl_wait(PDL)
+        pdl_wait(PDL, True)
         inv_static = static_inv_scale(scale_ptr, QUANT)
         x = tl.load(x_ptr + tl.cast(pid, tl.int64) * stride_x + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
@@ -170,7 +170,7 @@ def _launch(x, residual, weight, eps, out, scale, quant: int) -> None:
     rows = x.shape[0]
     if rows == 0:
         return
-    programs, persistent = row_grid(rows, x.device)
+    programs, persistent = row_grid(rows, x.device, fp8.NORM_PROGRAMS_PER_SM)
     block, warps = row_launch(x.shape[1], None if persistent else fp8.NORM_ELEMENTS_PER_WARP)
     _add_rmsnorm_kernel[(programs,)](
         x,
@@ -224,9 +224,7 @@ def _(x, residual, weight, eps, scale):
 
 
 @torch.library.custom_op("weft::add_rmsnorm", mutates_args=("residual",))
-def add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The bf16 path: RMSNorm(residual + x) * weight in x's dtype, `residual` updated in place."""
     _check(x, residual, weight)
     out = torch.empty_like(x)
@@ -236,6 +234,22 @@ def add_rmsnorm(
 
 @add_rmsnorm.register_fake
 def _(x, residual, weight, eps):
+    return torch.empty_like(x)
+
+
+# A separate op rather than add_rmsnorm(residual=None): torch.compile (2.11-2.13) fails to lower a
+# custom op whose mutable argument is None and that returns a single tensor.
+@torch.library.custom_op("weft::rmsnorm", mutates_args=())
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The bf16 path without a residual: RMSNorm(x) * weight in x's dtype."""
+    _check(x, None, weight)
+    out = torch.empty_like(x)
+    _launch(x, None, weight, eps, out, out, QUANT_NONE)
+    return out
+
+
+@rmsnorm.register_fake
+def _(x, weight, eps):
     return torch.empty_like(x)
 
 

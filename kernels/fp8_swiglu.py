@@ -64,7 +64,7 @@ def _swiglu_kernel(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
-    pdl_wait(PDL)
+    pdl_wait(PDL, False)
     inv_static = static_inv_scale(scale_ptr, QUANT)
     row_ptr = x_ptr + tl.cast(pid, tl.int64) * stride_x
     gate = tl.load(row_ptr + cols, mask=mask, other=0.0)

@@ -9,7 +9,7 @@ import torch
 
 from model.args import ModelArgs
 from model.fp8 import Fp8Block, check_fp8_device, convert_to_fp8
-from model.generate import prefill
+from model.generate import DecodeStep, prefill
 from model.llama import Llama
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -37,6 +37,23 @@ def test_fp8_model_tracks_bf16(tie: bool) -> None:
     assert torch.isfinite(step).all()
     rel = ((got - expected).norm() / expected.norm()).item()
     assert rel < 0.1, rel  # e4m3 keeps 3 mantissa bits: a few percent, not more
+
+
+def test_compiled_fp8_decode_step_matches_eager() -> None:
+    """compile=true with model.fp8=true: every kernel is an opaque custom op to torch.compile, and the
+    compiled (on a GPU also CUDA-graphed) decode step gives the eager step's logits."""
+    args = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=160, ffn_hidden=200)
+    model = Llama(args).to(DEVICE)
+    model.init_weights()
+    model = convert_to_fp8(model.to(torch.bfloat16).eval())
+    tokens = torch.randint(0, 160, (2, 12), device=DEVICE)
+    model.setup_caches(2, 16)
+    prefill(model, tokens)
+    with torch.no_grad():
+        eager = model(tokens[:, -1:], torch.tensor([12], device=DEVICE))[:, -1].float()
+    step = DecodeStep(model, 2, torch.device(DEVICE), cuda_graph=True, compile=True)
+    compiled = step(tokens[:, -1:], 12).float()
+    assert ((compiled - eager).norm() / eager.norm()).item() < 1e-2
 
 
 def test_fp8_needs_a_gpu_with_fp8() -> None:
