@@ -64,8 +64,7 @@ def main() -> None:
             args = OmegaConf.to_object(cfg.model)
             args.fp8 = fp8
             model = build_model(args, None, device, torch.bfloat16, mesh, comm)
-            # compile=true does not yet work with model.fp8=true (serve.py refuses the pair).
-            for compile in [False, True] if opts.compile and not fp8 else [False]:
+            for compile in [False, True] if opts.compile else [False]:
                 for batch in opts.batch_sizes:
                     row = benchmark_decode(
                         model, batch, opts.prompt_len, opts.decode_steps, True, device, compile
