@@ -28,9 +28,10 @@ MIN_SCALE = 1e-12
 # may start while the kernel before it in the stream is still running: it loads what no earlier kernel
 # writes (the norm weight, the first tiles of a GEMM weight) at once, then waits (`griddepcontrol.wait`:
 # the previous grid complete and its writes visible) before touching anything else, and lets the next
-# kernel launch right away. Inside a CUDA graph this hides most of the launch gap between dependent
-# kernels. Contract: a tensor read before the wait (weights) must not be written by the kernel that
-# immediately precedes the call. Set to False to launch plainly (bench_fp8 times both).
+# kernel launch (before or after that wait: pdl_wait). Inside a CUDA graph this hides most of the
+# launch gap between dependent kernels. Contract: a tensor read before the wait (weights) must not
+# be written by the kernel that immediately precedes the call. Set to False to launch plainly
+# (bench_fp8 times both).
 USE_PDL = os.environ.get("WEFT_FP8_PDL", "1") != "0"
 
 
@@ -73,7 +74,7 @@ def pdl_wait(PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
     this one runs, but each of those may trigger early too, so a chain of kernels can park programs on
     SMs that the running one needs. Measured on H200 with back-to-back calls in a CUDA graph: the norm
     (which loads its weight before the wait) gains with it (1 row of 16384: 3.03 -> 2.95 us, 64 rows
-    4.29 -> 4.21); SwiGLU (nothing to load before its wait) loses (64 rows of 14336: 3.39 -> 4.65 us);
+    4.29 -> 4.18); SwiGLU (nothing to load before its wait) loses (64 rows of 14336: 3.39 -> 4.65 us);
     the GEMM is unchanged. So only the norm triggers early."""
     if PDL:
         if EARLY_TRIGGER:
