@@ -205,8 +205,8 @@ def row_launch(n_cols: int, per_warp: int | None = None) -> tuple[int, int]:
 # loads of their next row before they reduce and write the current one, so HBM reads never pause for
 # a row's reduction or a program's launch. Taken when rows exceed PERSISTENT_WAVES times those
 # programs; fewer rows get one program per row (the shortest latency at decode). The norm runs two
-# programs per SM (1024 rows of 16384 on H200: 3.43 -> 3.50 TB/s, 2048 rows: 3.57 -> 3.79), SwiGLU
-# one (two: 3.42 -> 3.26 TB/s at 1024 rows).
+# programs per SM (rows of 16384 on H200: 3.43 -> 3.46 TB/s at 1024 rows, 3.57 -> 3.76 at 2048),
+# SwiGLU one (two cost it 3.42 -> 3.26 TB/s at 1024 rows).
 PERSISTENT_WAVES = 2
 PERSISTENT_PROGRAMS_PER_SM = 1
 NORM_PROGRAMS_PER_SM = 2
