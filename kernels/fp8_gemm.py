@@ -8,9 +8,10 @@ every SM streaming. Each program accumulates [BLOCK_M, BLOCK_N] in fp32 on the t
 to BLOCK_M >= 16 by masking). With `swap_ab` the kernel computes out^T = B @ A^T instead, so that
 the weight tile (>= 64 rows) is the MMA's M side: on Hopper that is wgmma, which reads e4m3 straight
 from shared memory, where the unswapped [16, K] x [K, BLOCK_N] tile goes through mma.sync with both
-operands converted to fp16 in registers. With split_k > 1 each slice writes its fp32 partial and the
-last slice of a column tile to finish (an arrival counter per tile) sums the partials in a fixed order: one
-launch, a deterministic result, and no zero-fill of the output.
+operands converted to fp16 in registers. With split_k > 1 the other slices write fp32 partials into a
+workspace kept at a sentinel (EMPTY) between calls, and the last slice of each column tile reads them
+as they land (each element its own arrival flag), sums them in slice order and re-arms the workspace:
+one launch, a deterministic result, no zero-fill and no counter round trip.
 
 Tile configs are tuned per (M bucket, N, K) on the GPU by `benchmarks/bench_fp8.py --tune` and kept in
 fp8_gemm_configs.json beside this file, so serving never autotunes (triton.autotune would time configs
@@ -92,7 +93,6 @@ def _skinny_gemm_kernel(
     b_scale_ptr,
     out_ptr,
     partial_ptr,
-    counter_ptr,
     M,
     N,
     K,
@@ -155,28 +155,47 @@ def _skinny_gemm_kernel(
         tl.store(out_ptrs, downcast(acc, out_ptr.dtype.element_ty, SNAP), mask=mask)
     else:
         tile = offs_m[:, None] * N + offs_n[None, :]
-        tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=mask)
-        # The last K slice of this column tile to arrive sums every slice in a fixed order (so the
-        # result is deterministic) and re-arms the tile's counter for the next call.
-        arrived = tl.atomic_add(counter_ptr + pid_n, 1, sem="acq_rel")
-        if arrived == splits - 1:
+        if pid_k < splits - 1:
+            tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=mask)
+        else:
+            # The last K slice (launched after the others, so never waiting on a program that has
+            # not started) sums the others' partials in slice order, deterministic, then its own.
+            # The workspace holds EMPTY wherever no partial has landed, so each element is its own
+            # arrival flag: one read from L2 per partial, no counter round trip. Reading a slice
+            # re-arms it with EMPTY for the next call.
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(0, splits):
-                total += tl.load(partial_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, downcast(total, out_ptr.dtype.element_ty, SNAP), mask=mask)
-            tl.atomic_xchg(counter_ptr + pid_n, 0)
+            for s in range(0, splits - 1):
+                ptrs = partial_ptr + s * M * N + tile
+                part = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
+                while tl.max(((part.to(tl.int32, bitcast=True) == EMPTY) & mask).to(tl.int32)) > 0:
+                    part = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
+                total += part
+                tl.store(
+                    ptrs, tl.full((BLOCK_M, BLOCK_N), EMPTY, tl.int32).to(tl.float32, bitcast=True), mask=mask
+                )
+            tl.store(out_ptrs, downcast(total + acc, out_ptr.dtype.element_ty, SNAP), mask=mask)
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+# A NaN bit pattern no arithmetic produces (a generated NaN is 0x7FC00000 or 0xFFC00000).
+EMPTY: tl.constexpr = tl.constexpr(0x7FC0DEAD)
+_WORKSPACES: dict[torch.device, torch.Tensor] = {}
 
 
-def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed int32 arrival counters, one per column tile, allocated once per device and left at zero
-    by every call (so CUDA-graph replays reuse them). Calls on concurrent streams must not share them."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < tiles:
-        counters = _COUNTERS[device] = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-    return counters
+def split_workspace(device: torch.device, numel: int) -> torch.Tensor:
+    """The fp32 split-K partials workspace of `device`, at least `numel` long and EMPTY wherever no
+    call is in flight (every call re-arms what it read). Allocated once per device and grown outside
+    CUDA-graph capture; calls on concurrent streams must not share it."""
+    workspace = _WORKSPACES.get(device)
+    if workspace is None or workspace.numel() < numel:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"the split-K workspace needs {numel} floats while a CUDA graph is being captured: "
+                "run the same call once before capture (a warm-up call) so it is allocated outside"
+            )
+        size = max(numel, 1 << 20, 2 * (workspace.numel() if workspace is not None else 0))
+        workspace = torch.full((size,), EMPTY.value, dtype=torch.int32, device=device).view(torch.float32)
+        _WORKSPACES[device] = workspace
+    return workspace
 
 
 def _check(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> None:
@@ -210,7 +229,7 @@ def skinny_fp8_gemm(
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
     tiles = triton.cdiv(n, cfg.block_n)
-    partial = torch.empty(splits, m, n, dtype=torch.float32, device=a.device) if splits > 1 else out
+    partial = split_workspace(a.device, (splits - 1) * m * n)
     _skinny_gemm_kernel[(tiles, splits)](
         a,
         b,
@@ -218,7 +237,6 @@ def skinny_fp8_gemm(
         b_scale,
         out,
         partial,
-        tile_counters(a.device, tiles),
         m,
         n,
         k,

@@ -130,6 +130,19 @@ def test_split_k_is_deterministic(swap_ab: bool) -> None:
     assert all(torch.equal(first, skinny_fp8_gemm(a, a_scale, b, b_scale, config)) for _ in range(3))
 
 
+def test_split_k_workspace_is_left_empty() -> None:
+    """Each element of the split-K workspace is its own arrival flag: every call must leave the whole
+    workspace at the EMPTY sentinel, or the next call would sum a stale partial."""
+    a, a_scale = quantize_per_token(bf16(5, 1000))
+    b, b_scale = quantize_weight_per_channel(bf16(300, 1000))
+    ref = fp8_gemm_reference(a, a_scale, b, b_scale)
+    for split in (2, 5, 3):  # different slices of the workspace each time
+        out = skinny_fp8_gemm(a, a_scale, b, b_scale, GemmConfig(64, 128, split, swap_ab=True))
+        assert rel_err(out, ref) < 1e-2
+        workspace = gemm_module.split_workspace(a.device, 0)
+        assert (workspace.view(torch.int32) == gemm_module.EMPTY.value).all()
+
+
 def test_heuristic_config_fills_the_gpu() -> None:
     cfg = gemm_module.heuristic_config(1, 2304, 16384)
     assert (2304 // cfg.block_n) * cfg.split_k >= 264
@@ -199,6 +212,19 @@ def test_row_kernels_realistic(poisoned: None, monkeypatch: pytest.MonkeyPatch, 
         ref_out, ref_res = add_rmsnorm_reference(x, ref_res, weight, 1e-5)
     assert torch.equal(res, ref_res)
     assert rel_err(graph_out, ref_out) < 1e-2
+
+
+@pytest.mark.gpu
+def test_split_k_workspace_is_not_grown_inside_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gemm_module, "_WORKSPACES", {})
+    a, a_scale = quantize_per_token(bf16(16, 4096))
+    b, b_scale = quantize_weight_per_channel(bf16(512, 4096))
+    config = GemmConfig(64, 128, 4, swap_ab=True)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="warm-up"), torch.cuda.graph(graph):
+        skinny_fp8_gemm(a, a_scale, b, b_scale, config)
+    out = _graph_calls(lambda: skinny_fp8_gemm(a, a_scale, b, b_scale, config))  # warmed up first: fine
+    assert rel_err(out, fp8_gemm_reference(a, a_scale, b, b_scale)) < 1e-2
 
 
 @pytest.mark.gpu
