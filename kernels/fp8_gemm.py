@@ -106,6 +106,7 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    SPLIT: tl.constexpr,
     SNAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -150,10 +151,10 @@ def _skinny_gemm_kernel(
         acc = acc * tl.load(b_scale_ptr)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    splits = tl.num_programs(1)
-    if splits == 1:
+    if not SPLIT:
         tl.store(out_ptrs, downcast(acc, out_ptr.dtype.element_ty, SNAP), mask=mask)
     else:
+        splits = tl.num_programs(1)
         tile = offs_m[:, None] * N + offs_n[None, :]
         if pid_k < splits - 1:
             tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=mask)
@@ -229,7 +230,7 @@ def skinny_fp8_gemm(
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
     tiles = triton.cdiv(n, cfg.block_n)
-    partial = split_workspace(a.device, (splits - 1) * m * n)
+    partial = split_workspace(a.device, (splits - 1) * m * n) if splits > 1 else out
     _skinny_gemm_kernel[(tiles, splits)](
         a,
         b,
@@ -250,6 +251,7 @@ def skinny_fp8_gemm(
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         SWAP_AB=cfg.swap_ab,
+        SPLIT=splits > 1,
         SNAP=INTERPRETED,
         PDL=pdl_for(a.device),
         num_warps=cfg.num_warps,
