@@ -2,6 +2,8 @@
 per-token quantize and the skinny FP8 GEMM. Fresh random inputs, ragged sizes, poisoned outputs; on
 CPU through Triton's interpreter, on a GPU natively."""
 
+import weakref
+
 import pytest
 import torch
 
@@ -141,6 +143,17 @@ def test_split_k_workspace_is_left_empty() -> None:
         assert rel_err(out, ref) < 1e-2
         workspace = gemm_module.split_workspace(a.device, 0)
         assert (workspace.view(torch.int32) == gemm_module.EMPTY.value).all()
+
+
+def test_split_k_workspace_outlives_its_growth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA graph captured before the workspace grew still points at the old one: it must stay
+    allocated (and EMPTY) rather than go back to the allocator."""
+    monkeypatch.setattr(gemm_module, "_WORKSPACES", {})
+    device = torch.device(DEVICE)
+    old = weakref.ref(gemm_module.split_workspace(device, 10))
+    grown = gemm_module.split_workspace(device, old().numel() + 1)
+    assert grown.numel() > old().numel()
+    assert old() is not None and (old().view(torch.int32) == gemm_module.EMPTY.value).all()
 
 
 def test_heuristic_config_fills_the_gpu() -> None:
