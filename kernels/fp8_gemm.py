@@ -104,6 +104,30 @@ def _activation_block(a_ptr, kb, M, K, stride_am, BLOCK_M: tl.constexpr, BLOCK_K
 
 
 @triton.jit
+def _tile_dot(a_ptr, b_ptr, b, tile, kb_begin, kb_end, M, N, K, stride_am, stride_bn,
+              BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB):  # fmt: skip
+    """Raw fp32 [BLOCK_M, BLOCK_N] sum over K blocks [kb_begin, kb_end) of column tile `tile`, whose
+    first weight block `b` the caller has already loaded."""
+    a = _activation_block(a_ptr, kb_begin, M, K, stride_am, BLOCK_M, BLOCK_K)
+    if SWAP_AB:
+        # out^T = B @ A^T: the weight tile is the MMA's M side (>= 64 rows: Hopper's wgmma, which
+        # reads e4m3 straight from shared memory), the few tokens its N side.
+        acc_t = tl.dot(b, tl.trans(a), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32))
+    else:
+        acc = tl.dot(a, tl.trans(b), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+    for kb in range(kb_begin + 1, kb_end):
+        a = _activation_block(a_ptr, kb, M, K, stride_am, BLOCK_M, BLOCK_K)
+        b = _weight_block(b_ptr, tile, kb, N, K, stride_bn, BLOCK_N, BLOCK_K)
+        if SWAP_AB:
+            acc_t = tl.dot(b, tl.trans(a), acc_t)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+    if SWAP_AB:
+        acc = tl.trans(acc_t)
+    return acc
+
+
+@triton.jit
 def _store_tile(acc, tile, a_scale_ptr, b_scale_ptr, out_ptr, M, N, stride_om,
                 A_PER_TOKEN, B_PER_CHANNEL, BLOCK_M, BLOCK_N, SNAP):  # fmt: skip
     """Scale a finished [BLOCK_M, BLOCK_N] accumulator of column tile `tile` and store it in bf16."""
@@ -151,49 +175,44 @@ def _skinny_gemm_kernel(
     SNAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # Stream-K: the (column tile, K block) units, tile-major, are cut into one contiguous run per
-    # program; run lengths differ by at most one unit, so every program streams the same share of B.
     pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    units = tl.cdiv(N, BLOCK_N) * k_blocks
-    start = pid * units // programs
-    end = (pid + 1) * units // programs
-    first_tile = start // k_blocks
-    # The weight is no earlier kernel's output: its first block streams in before the wait on the
-    # previous kernel (PDL), overlapping that kernel's tail; the activations are read after it.
-    b = _weight_block(b_ptr, first_tile, start - first_tile * k_blocks, N, K, stride_bn, BLOCK_N, BLOCK_K)
-    pdl_wait(PDL, False)
-    last_tile = (end - 1) // k_blocks
-    for tile in range(first_tile, last_tile + 1):
-        kb_begin = tl.maximum(start - tile * k_blocks, 0)
-        kb_end = tl.minimum(end - tile * k_blocks, k_blocks)
-        a = _activation_block(a_ptr, kb_begin, M, K, stride_am, BLOCK_M, BLOCK_K)
-        if SWAP_AB:
-            # out^T = B @ A^T: the weight tile is the MMA's M side (>= 64 rows: Hopper's wgmma, which
-            # reads e4m3 straight from shared memory), the few tokens its N side.
-            acc_t = tl.dot(b, tl.trans(a), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32))
-        else:
-            acc = tl.dot(a, tl.trans(b), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
-        for kb in range(kb_begin + 1, kb_end):
-            a = _activation_block(a_ptr, kb, M, K, stride_am, BLOCK_M, BLOCK_K)
-            b = _weight_block(b_ptr, tile, kb, N, K, stride_bn, BLOCK_N, BLOCK_K)
-            if SWAP_AB:
-                acc_t = tl.dot(b, tl.trans(a), acc_t)
-            else:
-                acc = tl.dot(a, tl.trans(b), acc)
-        if SWAP_AB:
-            acc = tl.trans(acc_t)
-        if STREAM:
-            in_slot = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    if STREAM:
+        # Stream-K: the (column tile, K block) units, tile-major, are cut into one contiguous run per
+        # program; run lengths differ by at most one unit, so every program streams the same share
+        # of B. A run visits its tiles last first: the head of a tile that later programs end is done
+        # first, so its partial lands early, and the tail of the tile this program ends (whose head
+        # earlier programs did first) comes last, so the wait for their partials finds them there.
+        programs = tl.num_programs(0)
+        units = tl.cdiv(N, BLOCK_N) * k_blocks
+        start = pid * units // programs
+        end = (pid + 1) * units // programs
+        first_tile = start // k_blocks
+        last_tile = (end - 1) // k_blocks
+        # The weight is no earlier kernel's output: its first block streams in before the wait on
+        # the previous kernel (PDL), overlapping that kernel's tail; the activations come after it.
+        kb_first = tl.maximum(start - last_tile * k_blocks, 0)
+        b = _weight_block(b_ptr, last_tile, kb_first, N, K, stride_bn, BLOCK_N, BLOCK_K)
+        pdl_wait(PDL, False)
+        in_slot = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        for i in range(0, last_tile - first_tile + 1):
+            tile = last_tile - i
+            kb_begin = tl.maximum(start - tile * k_blocks, 0)
+            kb_end = tl.minimum(end - tile * k_blocks, k_blocks)
+            acc = _tile_dot(a_ptr, b_ptr, b, tile, kb_begin, kb_end, M, N, K, stride_am, stride_bn,
+                            BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)  # fmt: skip
+            # The next tile's first block streams in during this one's epilogue.
+            kb_next = tl.maximum(start - (tile - 1) * k_blocks, 0)
+            n_next = tl.where(tile > first_tile, N, 0)
+            b = _weight_block(b_ptr, tile - 1, kb_next, n_next, K, stride_bn, BLOCK_N, BLOCK_K)
             if kb_end < k_blocks:
-                # The tile goes on in later programs: leave the raw partial in this program's slot.
+                # Later programs end this tile: leave the raw partial in this program's slot.
                 tl.store(partial_ptr + pid * BLOCK_M * BLOCK_N + in_slot, acc)
             else:
-                # This program ends the tile: sum the partials of the programs that began it. Those
-                # programs started earlier, so none waits on a program that has not started. A slot
-                # holds EMPTY until its partial lands, so each element is its own arrival flag (one L2
-                # read per partial, no counter); PARTS slots are read at once, so their L2 latencies
-                # overlap, and summed in a fixed order (deterministic); reading re-arms them.
+                # Sum the partials of the programs that began this tile, if any. A slot holds EMPTY
+                # until its partial lands, so each element is its own arrival flag (one L2 read per
+                # partial, no counter). PARTS slots are read at once, so their L2 latencies overlap,
+                # and summed in a fixed order (deterministic); reading re-arms them. Those programs
+                # have lower ids, so each has started: none waits on a program that cannot start.
                 total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for q in range(((tile * k_blocks + 1) * programs - 1) // units, pid, PARTS):
                     qs = q + tl.arange(0, PARTS)
@@ -207,13 +226,14 @@ def _skinny_gemm_kernel(
                     tl.store(ptrs, empty, mask=ready)
                 _store_tile(total + acc, tile, a_scale_ptr, b_scale_ptr, out_ptr, M, N, stride_om,
                             A_PER_TOKEN, B_PER_CHANNEL, BLOCK_M, BLOCK_N, SNAP)  # fmt: skip
-        else:
-            _store_tile(acc, tile, a_scale_ptr, b_scale_ptr, out_ptr, M, N, stride_om,
-                        A_PER_TOKEN, B_PER_CHANNEL, BLOCK_M, BLOCK_N, SNAP)  # fmt: skip
-        # The next tile's first weight block, if this program's run goes on into it.
-        b = _weight_block(
-            b_ptr, tile + 1, 0, tl.where(tile < last_tile, N, 0), K, stride_bn, BLOCK_N, BLOCK_K
-        )
+    else:
+        # One program per column tile, the whole of K.
+        b = _weight_block(b_ptr, pid, 0, N, K, stride_bn, BLOCK_N, BLOCK_K)
+        pdl_wait(PDL, False)
+        acc = _tile_dot(a_ptr, b_ptr, b, pid, 0, k_blocks, M, N, K, stride_am, stride_bn,
+                        BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)  # fmt: skip
+        _store_tile(acc, pid, a_scale_ptr, b_scale_ptr, out_ptr, M, N, stride_om,
+                    A_PER_TOKEN, B_PER_CHANNEL, BLOCK_M, BLOCK_N, SNAP)  # fmt: skip
 
 
 # A NaN bit pattern no arithmetic produces (a generated NaN is 0x7FC00000 or 0xFFC00000).
