@@ -175,29 +175,22 @@ def scaled_mm(a, a_scale, b, b_scale):
 
 
 def tune_space(bucket: int) -> list[tuple[int, int, int, int, bool]]:
-    """(block_n, block_k, num_stages, num_warps, swap_ab) tried per M bucket; the grid is swept on top.
+    """(block_n, block_k, num_stages, num_warps, swap_ab) tried per M bucket; split_k is swept on top.
     Swapped 64-row weight tiles won every shape on H200 (wgmma reads e4m3 from shared memory)."""
     if bucket <= 16:
-        space = [(64, 128, st, 4, True) for st in (4, 6, 8)]
-        space += [(64, 256, st, 4, True) for st in (3, 4)]
+        space = [(64, 128, st, 4, True) for st in (3, 4, 6, 8)]
+        space += [(64, 256, st, 4, True) for st in (3, 4, 6)]
         space += [(64, 512, 3, 4, True), (128, 128, 4, 4, True), (128, 256, 3, 4, True)]
         return [*space, (32, 256, 4, 4, False)]
     space = [(bn, bk, st, 4, True) for bn in (64, 128) for bk in (128, 256) for st in (3, 4)]
     return [*space, (64, 256, 4, 4, False)]
 
 
-def grids(n: int, k: int, block_n: int, block_k: int) -> list[int]:
-    """GemmConfig.programs tried: one program per column tile (0), the grids of a plain 2-4-way K
-    split, and stream-K over 1-3 programs per SM (at most one program per (tile, K block) unit)."""
-    tiles = -(-n // block_n)
-    units = tiles * -(-k // block_k)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    counts = {tiles * s for s in (2, 3, 4)} | {sms * w for w in (1, 2, 3)}
-    return [0, *sorted(c for c in counts if c != tiles and c <= units)]
+SPLITS = [1, 2, 3, 4, 5, 6, 8, 11, 12, 16]
 
 
 def tune_gemm() -> list[dict[str, object]]:
-    """Try tile configs and grids per (M bucket, N, K) (with PDL, as served) and keep the fastest in
+    """Try tile configs per (M bucket, N, K) (with PDL, as served) and keep the fastest in
     kernels/fp8_gemm_configs.json."""
     best: dict[str, gemm.GemmConfig] = dict(gemm.TUNED)
     log = []
@@ -206,8 +199,10 @@ def tune_gemm() -> list[dict[str, object]]:
         results: dict[tuple[int, int], list[tuple[float, gemm.GemmConfig]]] = {nk: [] for nk in GEMM_NK}
         for bn, bk, stages, warps, swap in tune_space(m):
             for (n, k), (a, a_scale, weights) in operands.items():
-                for programs in grids(n, k, bn, bk):
-                    cfg = gemm.GemmConfig(bn, bk, programs, num_warps=warps, num_stages=stages, swap_ab=swap)
+                for split in SPLITS:
+                    if (split - 1) * bk >= k or (split > 1 and k // split < bk):
+                        continue
+                    cfg = gemm.GemmConfig(bn, bk, split, num_warps=warps, num_stages=stages, swap_ab=swap)
                     try:
                         fns = [partial(gemm.skinny_fp8_gemm, a, a_scale, b, s, cfg) for b, s in weights]
                         t = time_us(fns)

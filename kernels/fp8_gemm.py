@@ -2,24 +2,21 @@
 M <= 64 tokens, A and B in e4m3, A scaled per token (or per tensor), B per output channel (or per
 tensor).
 
-At decode M is tiny, so the time is the time to read B (N * K bytes) once. B is cut into column
-tiles of BLOCK_N rows and each tile into K blocks of BLOCK_K. Where there are enough column tiles,
-each program takes one. Where there are not (a narrow N: 36 tiles of 64 rows for N = 2304 against
-132 SMs), the grid is stream-K: `programs` programs each take an equal contiguous run of the
-(tile, K block) units, so every SM streams the same share of B whatever N is. Each program
-accumulates [BLOCK_M, BLOCK_N] in fp32 on the tensor cores (M padded to BLOCK_M >= 16 by masking).
-With `swap_ab` the kernel computes out^T = B @ A^T instead, so that the weight tile (>= 64 rows) is
-the MMA's M side: on Hopper that is wgmma, which reads e4m3 straight from shared memory, where the
-unswapped [16, K] x [K, BLOCK_N] tile goes through mma.sync with both operands converted to fp16 in
-registers. A run that stops inside a tile leaves its fp32 partial in a per-program slot of a
-workspace kept at a sentinel (EMPTY) between calls; the program that ends the tile reads the slots
-as they land (each element its own arrival flag), sums them in program order and re-arms them: one
-launch, a deterministic result, no zero-fill and no counter round trip.
+At decode M is tiny, so the time is the time to read B (N * K bytes) once. The grid spreads B over
+many programs: columns in tiles of BLOCK_N, and K in `split_k` slices so that even a narrow N keeps
+every SM streaming. Each program accumulates [BLOCK_M, BLOCK_N] in fp32 on the tensor cores (M padded
+to BLOCK_M >= 16 by masking). With `swap_ab` the kernel computes out^T = B @ A^T instead, so that
+the weight tile (>= 64 rows) is the MMA's M side: on Hopper that is wgmma, which reads e4m3 straight
+from shared memory, where the unswapped [16, K] x [K, BLOCK_N] tile goes through mma.sync with both
+operands converted to fp16 in registers. With split_k > 1 the other slices write fp32 partials into a
+workspace kept at a sentinel (EMPTY) between calls, and the last slice of each column tile reads them
+as they land (each element its own arrival flag), sums them in slice order and re-arms the workspace:
+one launch, a deterministic result, no zero-fill and no counter round trip.
 
 Tile configs are tuned per (M bucket, N, K) on the GPU by `benchmarks/bench_fp8.py --tune` and kept in
 fp8_gemm_configs.json beside this file, so serving never autotunes (triton.autotune would time configs
 inside the first call, i.e. inside a CUDA-graph warm-up, and its choice would differ run to run);
-untuned shapes use a heuristic. The weight's first K block is loaded before the kernel waits on the
+untuned shapes use a heuristic. The weight's first K tile is loaded before the kernel waits on the
 previous one (programmatic dependent launch, kernels.fp8.USE_PDL), so weights must not be written by
 the kernel right before the call.
 Beyond M = 64 the work is no longer weight-bound and `torch._scaled_mm` takes over.
@@ -35,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, INTERPRETED, downcast, launch_options, pdl_for, pdl_wait, programs_cap
+from kernels.fp8 import FP8, INTERPRETED, downcast, launch_options, pdl_for, pdl_wait
 
 MAX_M = 64
 CONFIG_FILE = Path(__file__).with_name("fp8_gemm_configs.json")
@@ -45,7 +42,7 @@ CONFIG_FILE = Path(__file__).with_name("fp8_gemm_configs.json")
 class GemmConfig:
     block_n: int
     block_k: int
-    programs: int = 0  # grid size for stream-K; 0: one program per column tile (no K split)
+    split_k: int
     num_warps: int = 4
     num_stages: int = 4
     swap_ab: bool = False  # weight tile as the MMA's M side (wgmma on Hopper); needs block_n >= 64
@@ -57,11 +54,14 @@ def m_bucket(m: int) -> int:
 
 
 def heuristic_config(m: int, n: int, k: int, sm_count: int = 132) -> GemmConfig:
-    """Swapped tiles of 64 weight rows x 256 of K (wgmma on Hopper); where the column tiles cannot
-    fill the GPU twice over, stream-K over two programs per SM."""
+    """Swapped tiles of 64 weight rows x 256 of K (wgmma on Hopper); split K until there are about
+    two programs per SM."""
     block_n, block_k = 64, 256 if m_bucket(m) <= 32 else 128
-    programs = 0 if triton.cdiv(n, block_n) >= 2 * sm_count else 2 * sm_count
-    return GemmConfig(block_n, block_k, programs, num_stages=3, swap_ab=True)
+    tiles = triton.cdiv(n, block_n)
+    split = 1
+    while tiles * split < 2 * sm_count and split * 2 * block_k <= k:
+        split *= 2
+    return GemmConfig(block_n, block_k, split, num_stages=3, swap_ab=True)
 
 
 def _load_tuned() -> dict[str, GemmConfig]:
@@ -77,76 +77,12 @@ def config_key(m: int, n: int, k: int) -> str:
     return f"{m_bucket(m)},{n},{k}"
 
 
-def config_for(m: int, n: int, k: int, sm_count: int = 132) -> GemmConfig:
-    return TUNED.get(config_key(m, n, k)) or heuristic_config(m, n, k, sm_count)
+def config_for(m: int, n: int, k: int) -> GemmConfig:
+    return TUNED.get(config_key(m, n, k)) or heuristic_config(m, n, k)
 
 
 def save_tuned(configs: dict[str, GemmConfig]) -> None:
     CONFIG_FILE.write_text(json.dumps({k: asdict(v) for k, v in sorted(configs.items())}, indent=1) + "\n")
-
-
-@triton.jit
-def _weight_block(b_ptr, tile, kb, N, K, stride_bn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_N, BLOCK_K] block `kb` along K of the weight's column tile `tile`, zero outside B."""
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-    return tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def _activation_block(a_ptr, kb, M, K, stride_am, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """[BLOCK_M, BLOCK_K] block `kb` along K of the activations, zero outside A."""
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (offs_m[:, None] < M) & (offs_k[None, :] < K)
-    return tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :], mask=mask, other=0.0)
-
-
-@triton.jit
-def _tile_dot(a_ptr, b_ptr, b, tile, kb_begin, kb_end, M, N, K, stride_am, stride_bn,
-              BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB):  # fmt: skip
-    """Raw fp32 [BLOCK_M, BLOCK_N] sum over K blocks [kb_begin, kb_end) of column tile `tile`, whose
-    first weight block `b` the caller has already loaded."""
-    a = _activation_block(a_ptr, kb_begin, M, K, stride_am, BLOCK_M, BLOCK_K)
-    if SWAP_AB:
-        # out^T = B @ A^T: the weight tile is the MMA's M side (>= 64 rows: Hopper's wgmma, which
-        # reads e4m3 straight from shared memory), the few tokens its N side.
-        acc_t = tl.dot(b, tl.trans(a), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32))
-    else:
-        acc = tl.dot(a, tl.trans(b), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
-    for kb in range(kb_begin + 1, kb_end):
-        a = _activation_block(a_ptr, kb, M, K, stride_am, BLOCK_M, BLOCK_K)
-        b = _weight_block(b_ptr, tile, kb, N, K, stride_bn, BLOCK_N, BLOCK_K)
-        if SWAP_AB:
-            acc_t = tl.dot(b, tl.trans(a), acc_t)
-        else:
-            acc = tl.dot(a, tl.trans(b), acc)
-    if SWAP_AB:
-        acc = tl.trans(acc_t)
-    return acc
-
-
-@triton.jit
-def _store_tile(acc, tile, a_scale_ptr, b_scale_ptr, out_ptr, M, N, stride_om,
-                A_PER_TOKEN, B_PER_CHANNEL, BLOCK_M, BLOCK_N, SNAP):  # fmt: skip
-    """Scale a finished [BLOCK_M, BLOCK_N] accumulator of column tile `tile` and store it in bf16."""
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    if A_PER_TOKEN:
-        acc = acc * tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
-    else:
-        acc = acc * tl.load(a_scale_ptr)
-    if B_PER_CHANNEL:
-        acc = acc * tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
-    else:
-        acc = acc * tl.load(b_scale_ptr)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(
-        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-        downcast(acc, out_ptr.dtype.element_ty, SNAP),
-        mask=mask,
-    )
 
 
 @triton.jit
@@ -160,7 +96,7 @@ def _skinny_gemm_kernel(
     M,
     N,
     K,
-    k_blocks,
+    k_per_split,
     stride_am,
     stride_bn,
     stride_om,
@@ -170,70 +106,75 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
-    STREAM: tl.constexpr,
-    PARTS: tl.constexpr,
+    SPLIT: tl.constexpr,
     SNAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    if STREAM:
-        # Stream-K: the (column tile, K block) units, tile-major, are cut into one contiguous run per
-        # program; run lengths differ by at most one unit, so every program streams the same share
-        # of B. A run visits its tiles last first: the head of a tile that later programs end is done
-        # first, so its partial lands early, and the tail of the tile this program ends (whose head
-        # earlier programs did first) comes last, so the wait for their partials finds them there.
-        programs = tl.num_programs(0)
-        units = tl.cdiv(N, BLOCK_N) * k_blocks
-        start = pid * units // programs
-        end = (pid + 1) * units // programs
-        first_tile = start // k_blocks
-        last_tile = (end - 1) // k_blocks
-        # The weight is no earlier kernel's output: its first block streams in before the wait on
-        # the previous kernel (PDL), overlapping that kernel's tail; the activations come after it.
-        kb_first = tl.maximum(start - last_tile * k_blocks, 0)
-        b = _weight_block(b_ptr, last_tile, kb_first, N, K, stride_bn, BLOCK_N, BLOCK_K)
-        pdl_wait(PDL, False)
-        in_slot = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        for i in range(0, last_tile - first_tile + 1):
-            tile = last_tile - i
-            kb_begin = tl.maximum(start - tile * k_blocks, 0)
-            kb_end = tl.minimum(end - tile * k_blocks, k_blocks)
-            acc = _tile_dot(a_ptr, b_ptr, b, tile, kb_begin, kb_end, M, N, K, stride_am, stride_bn,
-                            BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)  # fmt: skip
-            # The next tile's first block streams in during this one's epilogue.
-            kb_next = tl.maximum(start - (tile - 1) * k_blocks, 0)
-            n_next = tl.where(tile > first_tile, N, 0)
-            b = _weight_block(b_ptr, tile - 1, kb_next, n_next, K, stride_bn, BLOCK_N, BLOCK_K)
-            if kb_end < k_blocks:
-                # Later programs end this tile: leave the raw partial in this program's slot.
-                tl.store(partial_ptr + pid * BLOCK_M * BLOCK_N + in_slot, acc)
-            else:
-                # Sum the partials of the programs that began this tile, if any. A slot holds EMPTY
-                # until its partial lands, so each element is its own arrival flag (one L2 read per
-                # partial, no counter). PARTS slots are read at once, so their L2 latencies overlap,
-                # and summed in a fixed order (deterministic); reading re-arms them. Those programs
-                # have lower ids, so each has started: none waits on a program that cannot start.
-                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for q in range(((tile * k_blocks + 1) * programs - 1) // units, pid, PARTS):
-                    qs = q + tl.arange(0, PARTS)
-                    ready = (qs < pid)[:, None, None]
-                    ptrs = partial_ptr + qs[:, None, None] * BLOCK_M * BLOCK_N + in_slot[None, :, :]
-                    part = tl.load(ptrs, mask=ready, other=0.0, volatile=True)
-                    while tl.max(((part.to(tl.int32, bitcast=True) == EMPTY) & ready).to(tl.int32)) > 0:
-                        part = tl.load(ptrs, mask=ready, other=0.0, volatile=True)
-                    total += tl.sum(part, axis=0)
-                    empty = tl.full((PARTS, BLOCK_M, BLOCK_N), EMPTY, tl.int32).to(tl.float32, bitcast=True)
-                    tl.store(ptrs, empty, mask=ready)
-                _store_tile(total + acc, tile, a_scale_ptr, b_scale_ptr, out_ptr, M, N, stride_om,
-                            A_PER_TOKEN, B_PER_CHANNEL, BLOCK_M, BLOCK_N, SNAP)  # fmt: skip
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * k_per_split + tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :]
+    # The weight is no earlier kernel's output: its first tile streams in before the wait on the
+    # previous kernel (PDL), overlapping that kernel's tail; the activations are read after it.
+    b = tl.load(b_ptrs, mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
+    pdl_wait(PDL, False)
+    a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+    if SWAP_AB:
+        # out^T = B @ A^T: the weight tile is the MMA's M side (>= 64 rows: Hopper's wgmma, which
+        # reads e4m3 straight from shared memory), the few tokens its N side.
+        acc_t = tl.dot(b, tl.trans(a), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32))
     else:
-        # One program per column tile, the whole of K.
-        b = _weight_block(b_ptr, pid, 0, N, K, stride_bn, BLOCK_N, BLOCK_K)
-        pdl_wait(PDL, False)
-        acc = _tile_dot(a_ptr, b_ptr, b, pid, 0, k_blocks, M, N, K, stride_am, stride_bn,
-                        BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB)  # fmt: skip
-        _store_tile(acc, pid, a_scale_ptr, b_scale_ptr, out_ptr, M, N, stride_om,
-                    A_PER_TOKEN, B_PER_CHANNEL, BLOCK_M, BLOCK_N, SNAP)  # fmt: skip
+        acc = tl.dot(a, tl.trans(b), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+    for _ in range(1, tl.cdiv(k_per_split, BLOCK_K)):
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+        offs_k += BLOCK_K
+        in_k = offs_k[None, :] < K
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & in_k, other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_n[:, None] < N) & in_k, other=0.0)
+        if SWAP_AB:
+            acc_t = tl.dot(b, tl.trans(a), acc_t)
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+    if SWAP_AB:
+        acc = tl.trans(acc_t)
+    if A_PER_TOKEN:
+        acc = acc * tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
+    else:
+        acc = acc * tl.load(a_scale_ptr)
+    if B_PER_CHANNEL:
+        acc = acc * tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
+    else:
+        acc = acc * tl.load(b_scale_ptr)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    if not SPLIT:
+        tl.store(out_ptrs, downcast(acc, out_ptr.dtype.element_ty, SNAP), mask=mask)
+    else:
+        splits = tl.num_programs(1)
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        if pid_k < splits - 1:
+            tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=mask)
+        else:
+            # The last K slice (launched after the others, so never waiting on a program that has
+            # not started) sums the others' partials in slice order, deterministic, then its own.
+            # The workspace holds EMPTY wherever no partial has landed, so each element is its own
+            # arrival flag: one read from L2 per partial, no counter round trip. Reading a slice
+            # re-arms it with EMPTY for the next call.
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(0, splits - 1):
+                ptrs = partial_ptr + s * M * N + tile
+                part = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
+                while tl.max(((part.to(tl.int32, bitcast=True) == EMPTY) & mask).to(tl.int32)) > 0:
+                    part = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
+                total += part
+                tl.store(
+                    ptrs, tl.full((BLOCK_M, BLOCK_N), EMPTY, tl.int32).to(tl.float32, bitcast=True), mask=mask
+                )
+            tl.store(out_ptrs, downcast(total + acc, out_ptr.dtype.element_ty, SNAP), mask=mask)
 
 
 # A NaN bit pattern no arithmetic produces (a generated NaN is 0x7FC00000 or 0xFFC00000).
@@ -241,8 +182,8 @@ EMPTY: tl.constexpr = tl.constexpr(0x7FC0DEAD)
 _WORKSPACES: dict[torch.device, list[torch.Tensor]] = {}
 
 
-def stream_workspace(device: torch.device, numel: int) -> torch.Tensor:
-    """The fp32 stream-K partials workspace of `device`, at least `numel` long and EMPTY wherever no
+def split_workspace(device: torch.device, numel: int) -> torch.Tensor:
+    """The fp32 split-K partials workspace of `device`, at least `numel` long and EMPTY wherever no
     call is in flight (every call re-arms what it read). Grown outside CUDA-graph capture only, and a
     grown-out workspace is kept alive: graphs captured earlier still point at it. Calls on concurrent
     streams must not share it."""
@@ -250,7 +191,7 @@ def stream_workspace(device: torch.device, numel: int) -> torch.Tensor:
     if not workspaces or workspaces[-1].numel() < numel:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
-                f"the stream-K workspace needs {numel} floats while a CUDA graph is being captured: "
+                f"the split-K workspace needs {numel} floats while a CUDA graph is being captured: "
                 "run the same call once before capture (a warm-up call) so it is allocated outside"
             )
         size = max(numel, 1 << 20, 2 * (workspaces[-1].numel() if workspaces else 0))
@@ -286,19 +227,13 @@ def skinny_fp8_gemm(
     (m, k), n = a.shape, b.shape[0]
     if m > MAX_M:
         raise ValueError(f"skinny_fp8_gemm handles M <= {MAX_M}, got M={m}: use fp8_gemm")
-    cfg = config or config_for(m, n, k, programs_cap(a.device))
+    cfg = config or config_for(m, n, k)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
-    tiles, k_blocks = triton.cdiv(n, cfg.block_n), triton.cdiv(k, cfg.block_k)
-    # At most one program per unit, so that every program has a run and every partial lands.
-    programs = min(cfg.programs or tiles, tiles * k_blocks)
-    stream = programs != tiles
-    block_m = m_bucket(m)
-    # Partials the program ending a tile reads at once: as many as can precede it (runs are at least
-    # units // programs long), within 64 fp32 registers per thread.
-    most_parts = triton.next_power_of_2(triton.cdiv(k_blocks, (tiles * k_blocks) // programs))
-    parts = max(1, min(most_parts, 64 * 32 * cfg.num_warps // (block_m * cfg.block_n)))
-    partial = stream_workspace(a.device, programs * block_m * cfg.block_n) if stream else out
-    _skinny_gemm_kernel[(programs,)](
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    splits = triton.cdiv(k, k_per_split)
+    tiles = triton.cdiv(n, cfg.block_n)
+    partial = split_workspace(a.device, (splits - 1) * m * n) if splits > 1 else out
+    _skinny_gemm_kernel[(tiles, splits)](
         a,
         b,
         a_scale,
@@ -308,18 +243,17 @@ def skinny_fp8_gemm(
         m,
         n,
         k,
-        k_blocks,
+        k_per_split,
         a.stride(0),
         b.stride(0),
         out.stride(0),
         A_PER_TOKEN=a_scale.numel() > 1,
         B_PER_CHANNEL=b_scale.numel() > 1,
-        BLOCK_M=block_m,
+        BLOCK_M=m_bucket(m),
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         SWAP_AB=cfg.swap_ab,
-        STREAM=stream,
-        PARTS=parts,
+        SPLIT=splits > 1,
         SNAP=INTERPRETED,
         PDL=pdl_for(a.device),
         num_warps=cfg.num_warps,

@@ -100,17 +100,15 @@ GEMM_SHAPES = [(96, 256), (200, 320), (72, 1000)]
 
 @pytest.mark.parametrize("m", [1, 5, 16, 33, 64])
 @pytest.mark.parametrize(("n", "k"), GEMM_SHAPES)
-# programs: None the heuristic, 0 one per column tile, 5 stream-K runs that cross tiles (a run can
-# end one tile, hold another whole and begin a third), 64 more programs than units (clamped).
-@pytest.mark.parametrize("programs", [None, 0, 5, 64])
+@pytest.mark.parametrize("split_k", [None, 1, 3])
 @pytest.mark.parametrize("swap_ab", [False, True])
-def test_skinny_gemm(poisoned: None, m: int, n: int, k: int, programs: int | None, swap_ab: bool) -> None:
-    if programs is None and swap_ab:
+def test_skinny_gemm(poisoned: None, m: int, n: int, k: int, split_k: int | None, swap_ab: bool) -> None:
+    if split_k is None and swap_ab:
         pytest.skip("the tuned/heuristic config has one setting of swap_ab")
     a, a_scale = quantize_per_token(bf16(m, k))
     b, b_scale = quantize_weight_per_channel(bf16(n, k, scale=0.05))
     block_n = 64 if swap_ab else 32
-    config = None if programs is None else GemmConfig(block_n, 128, programs, swap_ab=swap_ab)
+    config = GemmConfig(block_n, 128, split_k, swap_ab=swap_ab) if split_k else None
     out = skinny_fp8_gemm(a, a_scale, b, b_scale, config)
     assert out.dtype == torch.bfloat16 and out.shape == (m, n)
     assert rel_err(out, fp8_gemm_reference(a, a_scale, b, b_scale)) < 1e-2
@@ -126,41 +124,42 @@ def test_gemm_per_tensor_scales_and_large_m_handover(poisoned: None) -> None:
 
 
 @pytest.mark.parametrize("swap_ab", [False, True])
-def test_stream_k_is_deterministic(swap_ab: bool) -> None:
+def test_split_k_is_deterministic(swap_ab: bool) -> None:
     a, a_scale = quantize_per_token(bf16(4, 1024))
     b, b_scale = quantize_weight_per_channel(bf16(64, 1024))
-    config = GemmConfig(block_n=64 if swap_ab else 32, block_k=128, programs=7, swap_ab=swap_ab)
+    config = GemmConfig(block_n=64 if swap_ab else 32, block_k=128, split_k=4, swap_ab=swap_ab)
     first = skinny_fp8_gemm(a, a_scale, b, b_scale, config)
     assert all(torch.equal(first, skinny_fp8_gemm(a, a_scale, b, b_scale, config)) for _ in range(3))
 
 
-def test_stream_k_workspace_is_left_empty() -> None:
-    """Each element of the stream-K workspace is its own arrival flag: every call must leave the whole
+def test_split_k_workspace_is_left_empty() -> None:
+    """Each element of the split-K workspace is its own arrival flag: every call must leave the whole
     workspace at the EMPTY sentinel, or the next call would sum a stale partial."""
     a, a_scale = quantize_per_token(bf16(5, 1000))
     b, b_scale = quantize_weight_per_channel(bf16(300, 1000))
     ref = fp8_gemm_reference(a, a_scale, b, b_scale)
-    for programs in (9, 31, 14):  # different slots of the workspace each time
-        out = skinny_fp8_gemm(a, a_scale, b, b_scale, GemmConfig(64, 128, programs, swap_ab=True))
+    for split in (2, 5, 3):  # different slices of the workspace each time
+        out = skinny_fp8_gemm(a, a_scale, b, b_scale, GemmConfig(64, 128, split, swap_ab=True))
         assert rel_err(out, ref) < 1e-2
-        workspace = gemm_module.stream_workspace(a.device, 0)
+        workspace = gemm_module.split_workspace(a.device, 0)
         assert (workspace.view(torch.int32) == gemm_module.EMPTY.value).all()
 
 
-def test_stream_k_workspace_outlives_its_growth(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_split_k_workspace_outlives_its_growth(monkeypatch: pytest.MonkeyPatch) -> None:
     """A CUDA graph captured before the workspace grew still points at the old one: it must stay
     allocated (and EMPTY) rather than go back to the allocator."""
     monkeypatch.setattr(gemm_module, "_WORKSPACES", {})
     device = torch.device(DEVICE)
-    old = weakref.ref(gemm_module.stream_workspace(device, 10))
-    grown = gemm_module.stream_workspace(device, old().numel() + 1)
+    old = weakref.ref(gemm_module.split_workspace(device, 10))
+    grown = gemm_module.split_workspace(device, old().numel() + 1)
     assert grown.numel() > old().numel()
     assert old() is not None and (old().view(torch.int32) == gemm_module.EMPTY.value).all()
 
 
 def test_heuristic_config_fills_the_gpu() -> None:
-    assert gemm_module.heuristic_config(1, 2304, 16384, sm_count=132).programs == 264
-    assert gemm_module.heuristic_config(64, 32768, 512, sm_count=132).programs == 0  # 512 column tiles
+    cfg = gemm_module.heuristic_config(1, 2304, 16384)
+    assert (2304 // cfg.block_n) * cfg.split_k >= 264
+    assert gemm_module.heuristic_config(64, 4096, 512).split_k * 128 <= 512
 
 
 def test_bad_inputs_fail_clearly() -> None:
@@ -229,7 +228,7 @@ def test_row_kernels_realistic(poisoned: None, monkeypatch: pytest.MonkeyPatch, 
 
 
 @pytest.mark.gpu
-def test_stream_k_workspace_is_not_grown_inside_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_split_k_workspace_is_not_grown_inside_capture(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gemm_module, "_WORKSPACES", {})
     a, a_scale = quantize_per_token(bf16(16, 4096))
     b, b_scale = quantize_weight_per_channel(bf16(512, 4096))
