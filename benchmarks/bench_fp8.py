@@ -3,7 +3,6 @@
     python -m benchmarks.bench_fp8              # norm, SwiGLU and GEMM tables
     python -m benchmarks.bench_fp8 --tune       # tune GEMM tiles first (kernels/fp8_gemm_configs.json)
     python -m benchmarks.bench_fp8 --sweep-rows # also time the row kernels' launch variants
-    python -m benchmarks.bench_fp8 --sweep-split --only none  # rows split over programs
 
 Norm: residual add + RMSNorm + per-token FP8 quantize of [rows, 16384] (ours, eager torch,
 torch.compile); bytes = 2 (x) + 2 + 2 (residual in and out) + 1 (fp8 out) per element.
@@ -160,38 +159,6 @@ def sweep_rows() -> list[dict[str, object]]:
     return out
 
 
-def sweep_split() -> list[dict[str, object]]:
-    """Norm and SwiGLU with rows split over ROW_PARTS programs (1: the whole-row launches) and
-    SPLIT_ELEMENTS_PER_WARP elements per warp, at 64 to 2048 rows, with PDL."""
-    defaults = (fp8.SPLIT_MIN_ROWS, fp8.ROW_PARTS, fp8.SPLIT_ELEMENTS_PER_WARP)
-    fp8.SPLIT_MIN_ROWS = 1
-    out = []
-    for rows in [64, 256, 1024, 2048]:
-        sets = norm_sets(rows, 16384)
-        gate_up = [
-            torch.randn(rows, 2 * 14336, device="cuda", dtype=torch.bfloat16)
-            for _ in range(copies_for(rows * 14336 * 5))
-        ]
-        for parts, per_warp in [(1, 0), *itertools.product([2, 4, 8], [256, 512, 1024])]:
-            fp8.ROW_PARTS, fp8.SPLIT_ELEMENTS_PER_WARP = parts, per_warp or defaults[2]
-            norm_us = time_us([partial(add_rmsnorm_fp8, x, r, w, 1e-5, None) for x, r, w in sets])
-            swiglu_us = time_us([partial(swiglu_fp8, x, None) for x in gate_up])
-            out.append(
-                {
-                    "rows": rows,
-                    "parts": parts,
-                    "elements_per_warp": per_warp,
-                    "norm_us": norm_us,
-                    "norm_TBps": rows * 16384 * 7 / norm_us / 1e6,
-                    "swiglu_us": swiglu_us,
-                    "swiglu_TBps": rows * 14336 * 5 / swiglu_us / 1e6,
-                }
-            )
-            print(out[-1], flush=True)
-    fp8.SPLIT_MIN_ROWS, fp8.ROW_PARTS, fp8.SPLIT_ELEMENTS_PER_WARP = defaults
-    return out
-
-
 def gemm_operands(m: int, n: int, k: int):
     a, a_scale = quantize_per_token(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
     weights = [
@@ -300,9 +267,6 @@ def main() -> None:
     parser.add_argument(
         "--sweep-rows", action="store_true", help="time the row kernels' launch variants (fp8_row_sweep)"
     )
-    parser.add_argument(
-        "--sweep-split", action="store_true", help="time rows split over programs (fp8_split_sweep)"
-    )
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8.py needs a CUDA GPU")
@@ -316,8 +280,6 @@ def main() -> None:
         write_results("fp8_gemm", bench_gemm(), notes=note + "; TB/s of weight reads")
     if opts.sweep_rows:
         write_results("fp8_row_sweep", sweep_rows(), notes=note + "; dynamic scales")
-    if opts.sweep_split:
-        write_results("fp8_split_sweep", sweep_split(), notes=note + "; dynamic scales")
     if opts.only in (None, "norm"):
         write_results("fp8_norm", bench_norm(), notes=note + "; dynamic scales")
     if opts.only in (None, "swiglu"):

@@ -125,101 +125,19 @@ def static_inv_scale(scale_ptr, QUANT: tl.constexpr):
 
 @triton.jit
 def store_row(
-    y,
-    amax,
-    out_ptr,
-    row,
-    stride_o,
-    cols,
-    mask,
-    scale_ptr,
-    inv_static,
-    store_scale,
-    QUANT: tl.constexpr,
-    SNAP: tl.constexpr,
+    y, out_ptr, row, stride_o, cols, mask, scale_ptr, inv_static, QUANT: tl.constexpr, SNAP: tl.constexpr
 ):
-    """Write one fp32 row (or a part of it): as out_ptr's dtype (QUANT 0), or as e4m3 with the static
-    scale (QUANT 1, `inv_static` = 1 / scale) or with the row's scale amax / 448 (QUANT 2, `amax` the
-    whole row's max |y|), stored at scale_ptr[row] where `store_scale` (one part of each row)."""
+    """Write one fp32 row: as out_ptr's dtype (QUANT 0), or as e4m3 with the static scale
+    (QUANT 1, `inv_static` = 1 / scale) or a per-row scale amax / 448 stored at scale_ptr[row] (QUANT 2)."""
     out_ptrs = out_ptr + row * stride_o + cols
     if QUANT == 0:
         tl.store(out_ptrs, downcast(y, out_ptr.dtype.element_ty, SNAP), mask=mask)
     elif QUANT == 1:
         tl.store(out_ptrs, to_fp8(y, inv_static, SNAP), mask=mask)
     else:
-        scale = tl.maximum(amax, 1e-12 * 448.0) / 448.0
-        tl.store(scale_ptr + row, scale, mask=store_scale)
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12 * 448.0) / 448.0
+        tl.store(scale_ptr + row, scale)
         tl.store(out_ptrs, to_fp8(y, 1.0 / scale, SNAP), mask=mask)
-
-
-# A NaN bit pattern no arithmetic produces (a generated NaN is 0x7FC00000 or 0xFFC00000): workspace
-# slots hold it while empty, so a slot is its own arrival flag.
-EMPTY: tl.constexpr = tl.constexpr(0x7FC0DEAD)
-_WORKSPACES: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def split_workspace(device: torch.device, numel: int) -> torch.Tensor:
-    """The fp32 workspace of `device` through which programs that split one output (GEMM split-K
-    partials, a split row's partial sums) hand over their parts: at least `numel` long and EMPTY
-    wherever no call is in flight (every call re-arms what it used). Grown outside CUDA-graph capture
-    only, and a grown-out workspace is kept alive: graphs captured earlier still point at it. Calls
-    on concurrent streams must not share it."""
-    workspaces = _WORKSPACES.setdefault(device, [])
-    if not workspaces or workspaces[-1].numel() < numel:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"the split workspace needs {numel} floats while a CUDA graph is being captured: "
-                "run the same call once before capture (a warm-up call) so it is allocated outside"
-            )
-        size = max(numel, 1 << 20, 2 * (workspaces[-1].numel() if workspaces else 0))
-        workspaces.append(
-            torch.full((size,), EMPTY.value, dtype=torch.int32, device=device).view(torch.float32)
-        )
-    return workspaces[-1]
-
-
-@triton.jit
-def exchange_row_partials(
-    slots_ptr,
-    counts_ptr,
-    row,
-    part,
-    partial_sum,
-    partial_max,
-    PARTS: tl.constexpr,
-    SLOTS: tl.constexpr,
-    PUBLISH: tl.constexpr,
-    FINISH: tl.constexpr,
-):
-    """(sum, max) over the PARTS programs that share a row, from each one's (partial_sum, partial_max).
-
-    Each part stores its pair in the row's slots (PUBLISH) and then (FINISH) polls all of the row's
-    slots until none is EMPTY. The parts of a row are neighbouring programs, so the ones a part waits
-    for have been launched (programs start in order) and never wait on it in turn. The totals are
-    summed in a fixed order, so every part of the row, and every run, gets the same bits. The row's last
-    part to leave (a per-row counter, armed at EMPTY) re-arms the slots and the counter for the next
-    call. The interpreter runs programs one after another, so there the launcher runs the kernel
-    twice: every part publishes, then every part finishes."""
-    row = tl.cast(row, tl.int64)
-    pair = tl.arange(0, 2)
-    if PUBLISH:
-        tl.store(slots_ptr + (row * PARTS + part) * 2 + pair, tl.where(pair == 0, partial_sum, partial_max))
-    total_sum = partial_sum
-    total_max = partial_max
-    if FINISH:
-        parts = tl.arange(0, SLOTS)[:, None]
-        ptrs = slots_ptr + (row * PARTS + parts) * 2 + pair[None, :]
-        mask = (parts < PARTS) & (pair[None, :] < 2)
-        got = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
-        while tl.max(((got.to(tl.int32, bitcast=True) == EMPTY) & mask).to(tl.int32)) > 0:
-            got = tl.load(ptrs, mask=mask, other=0.0, volatile=True)
-        total_sum = tl.sum(tl.where(pair[None, :] == 0, got, 0.0))
-        total_max = tl.max(tl.where(pair[None, :] == 1, got, 0.0))
-        left = tl.atomic_add(counts_ptr + row, 1, sem="acq_rel")
-        if left == EMPTY + PARTS - 1:
-            tl.store(ptrs, tl.full((SLOTS, 2), EMPTY, tl.int32).to(tl.float32, bitcast=True), mask=mask)
-            tl.store(counts_ptr + row, EMPTY)
-    return total_sum, total_max
 
 
 def quantize_reference(
@@ -262,20 +180,7 @@ def _quantize_rows_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    store_row(
-        x,
-        tl.max(tl.abs(x), axis=0),
-        out_ptr,
-        row,
-        stride_o,
-        cols,
-        mask,
-        scale_ptr,
-        1.0,
-        True,
-        QUANT=2,
-        SNAP=SNAP,
-    )
+    store_row(x, out_ptr, row, stride_o, cols, mask, scale_ptr, 1.0, QUANT=2, SNAP=SNAP)
 
 
 # Elements of a row each warp holds in the row kernels (sets num_warps; bench_fp8 --sweep-rows). The
@@ -314,36 +219,6 @@ def row_grid(rows: int, device: torch.device, programs_per_sm: int | None = None
     if rows > PERSISTENT_WAVES * slots:
         return slots, True
     return max(rows, 1), False
-
-
-# Many rows, split: each row is cut into ROW_PARTS parts of a power-of-two size, one program each,
-# that exchange their partial sums through the split workspace (exchange_row_partials). Small
-# programs, many per SM, keep many loads in flight and balance the SMs part by part.
-SPLIT_MIN_ROWS = 512
-ROW_PARTS = 4
-SPLIT_ELEMENTS_PER_WARP = 512
-
-
-def row_split(rows: int, n_cols: int) -> tuple[int, int]:
-    """(BLOCK, parts) for a row kernel that splits each row over programs; parts 1 = no split."""
-    if rows < SPLIT_MIN_ROWS or ROW_PARTS == 1:
-        return triton.next_power_of_2(n_cols), 1
-    block = triton.next_power_of_2(triton.cdiv(n_cols, ROW_PARTS))
-    return block, triton.cdiv(n_cols, block)
-
-
-def split_slots(device: torch.device, rows: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(slots, counts) of exchange_row_partials for `rows` rows of `parts` parts: two fp32 per part
-    and an int32 counter per row, carved from the EMPTY-armed split workspace."""
-    workspace = split_workspace(device, rows * (2 * parts + 1))
-    slots = workspace[: rows * parts * 2]
-    return slots, workspace[rows * parts * 2 : rows * (2 * parts + 1)].view(torch.int32)
-
-
-def split_passes() -> list[tuple[bool, bool]]:
-    """(PUBLISH, FINISH) per launch of a split row kernel: both in one launch, or under the
-    interpreter (programs run one after another) a publishing launch and then a finishing one."""
-    return [(True, False), (False, True)] if INTERPRETED else [(True, True)]
 
 
 @torch.library.custom_op("weft::quantize_per_token", mutates_args=())

@@ -23,18 +23,14 @@ from kernels.fp8 import (
     FP8,
     INTERPRETED,
     downcast,
-    exchange_row_partials,
     launch_options,
     pdl_for,
     pdl_wait,
     quantize_reference,
     row_grid,
     row_launch,
-    row_split,
-    split_passes,
-    split_slots,
     static_inv_scale,
-    store_row,
+    to_fp8,
 )
 
 QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC = 0, 1, 2
@@ -51,14 +47,11 @@ def _norm_row(
     r,
     w,
     row,
-    part,
     cols,
     mask,
     res_ptr,
     out_ptr,
     scale_ptr,
-    slots_ptr,
-    counts_ptr,
     inv_static,
     N,
     eps,
@@ -67,49 +60,32 @@ def _norm_row(
     HAS_RESIDUAL: tl.constexpr,
     QUANT: tl.constexpr,
     SNAP: tl.constexpr,
-    PARTS: tl.constexpr,
-    SLOTS: tl.constexpr,
-    PUBLISH: tl.constexpr,
-    FINISH: tl.constexpr,
 ):
-    """Finish one row, or one of its PARTS parts, from its loaded x and residual (`w` the fp32
-    weight)."""
+    """Finish one row from its loaded x and residual (`w` the fp32 weight)."""
     row = tl.cast(row, tl.int64)
     if HAS_RESIDUAL:
         h = x.to(tl.float32) + r.to(tl.float32)
         # Normalise the stored (rounded) residual, as the next layer will see it.
         h = downcast(h, res_ptr.dtype.element_ty, SNAP)
-        if FINISH:
-            tl.store(res_ptr + row * stride_r + cols, h, mask=mask)
+        tl.store(res_ptr + row * stride_r + cols, h, mask=mask)
         h = h.to(tl.float32)
     else:
         h = x.to(tl.float32)
+    out_ptrs = out_ptr + row * stride_o + cols
     if QUANT == 2:
-        # amax |y| is rstd times amax |h * w|: one reduction gives both.
-        sum_sq, amax_hw = tl.reduce((h * h, tl.abs(h * w)), 0, _sum_and_max)
-    else:
-        sum_sq = tl.sum(h * h, axis=0)
-        amax_hw = 0.0
-    if PARTS > 1:
-        sum_sq, amax_hw = exchange_row_partials(
-            slots_ptr, counts_ptr, row, part, sum_sq, amax_hw, PARTS, SLOTS, PUBLISH, FINISH
-        )
-    if FINISH:
+        hw = h * w
+        sum_sq, amax_hw = tl.reduce((h * h, tl.abs(hw)), 0, _sum_and_max)
         rstd = tl.rsqrt(sum_sq / N + eps)
-        store_row(
-            h * rstd * w,
-            amax_hw * rstd,
-            out_ptr,
-            row,
-            stride_o,
-            cols,
-            mask,
-            scale_ptr,
-            inv_static,
-            part == 0,
-            QUANT,
-            SNAP,
-        )
+        scale = tl.maximum(amax_hw * rstd, 1e-12 * 448.0) / 448.0
+        tl.store(scale_ptr + row, scale)
+        tl.store(out_ptrs, to_fp8(h * rstd * w, 1.0 / scale, SNAP), mask=mask)
+    else:
+        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / N + eps)
+        y = h * rstd * w
+        if QUANT == 1:
+            tl.store(out_ptrs, to_fp8(y, inv_static, SNAP), mask=mask)
+        else:
+            tl.store(out_ptrs, downcast(y, out_ptr.dtype.element_ty, SNAP), mask=mask)
 
 
 @triton.jit
@@ -119,8 +95,6 @@ def _add_rmsnorm_kernel(
     w_ptr,
     out_ptr,
     scale_ptr,
-    slots_ptr,
-    counts_ptr,
     n_rows,
     N,
     eps,
@@ -133,15 +107,11 @@ def _add_rmsnorm_kernel(
     PERSISTENT: tl.constexpr,
     SNAP: tl.constexpr,
     PDL: tl.constexpr,
-    PARTS: tl.constexpr = 1,
-    SLOTS: tl.constexpr = 1,
-    PUBLISH: tl.constexpr = True,
-    FINISH: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
     if PERSISTENT:
-        cols = tl.arange(0, BLOCK)
-        mask = cols < N
         pdl_wait(PDL, True)
         inv_static = static_inv_scale(scale_ptr, QUANT)
         step = tl.num_programs(0)
@@ -162,29 +132,24 @@ def _add_rmsnorm_kernel(
             # The weight is re-read per row (from L1/L2) rather than held in registers across rows.
             w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             _norm_row(
-                x, r, w, row, 0, cols, mask, res_ptr, out_ptr, scale_ptr, slots_ptr, counts_ptr, inv_static,
-                N, eps, stride_r, stride_o, HAS_RESIDUAL, QUANT, SNAP, 1, 1, True, True,
+                x, r, w, row, cols, mask, res_ptr, out_ptr, scale_ptr, inv_static, N, eps, stride_r, stride_o,
+                HAS_RESIDUAL, QUANT, SNAP,
             )  # fmt: skip
             x = x_next
             r = r_next
     else:
-        # One program per row, or per part of a row (PARTS > 1).
-        row = pid // PARTS
-        part = pid % PARTS
-        cols = part * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < N
         # The weight is no earlier kernel's output: load it before waiting on the previous kernel.
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         pdl_wait(PDL, True)
         inv_static = static_inv_scale(scale_ptr, QUANT)
-        x = tl.load(x_ptr + tl.cast(row, tl.int64) * stride_x + cols, mask=mask, other=0.0)
+        x = tl.load(x_ptr + tl.cast(pid, tl.int64) * stride_x + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
-            r = tl.load(res_ptr + tl.cast(row, tl.int64) * stride_r + cols, mask=mask, other=0.0)
+            r = tl.load(res_ptr + tl.cast(pid, tl.int64) * stride_r + cols, mask=mask, other=0.0)
         else:
             r = x
         _norm_row(
-            x, r, w, row, part, cols, mask, res_ptr, out_ptr, scale_ptr, slots_ptr, counts_ptr, inv_static,
-            N, eps, stride_r, stride_o, HAS_RESIDUAL, QUANT, SNAP, PARTS, SLOTS, PUBLISH, FINISH,
+            x, r, w, pid, cols, mask, res_ptr, out_ptr, scale_ptr, inv_static, N, eps, stride_r, stride_o,
+            HAS_RESIDUAL, QUANT, SNAP,
         )  # fmt: skip
 
 
@@ -202,46 +167,32 @@ def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor)
 
 
 def _launch(x, residual, weight, eps, out, scale, quant: int) -> None:
-    rows, n = x.shape
+    rows = x.shape[0]
     if rows == 0:
         return
-    block, parts = row_split(rows, n)
-    if parts > 1:
-        programs, persistent = rows * parts, False
-        warps = max(1, min(32, block // fp8.SPLIT_ELEMENTS_PER_WARP))
-        slots, counts = split_slots(x.device, rows, parts)
-    else:
-        programs, persistent = row_grid(rows, x.device, fp8.NORM_PROGRAMS_PER_SM)
-        block, warps = row_launch(n, None if persistent else fp8.NORM_ELEMENTS_PER_WARP)
-        slots, counts = out, out
-    for publish, finish in split_passes() if parts > 1 else [(True, True)]:
-        _add_rmsnorm_kernel[(programs,)](
-            x,
-            residual if residual is not None else x,
-            weight,
-            out,
-            scale,
-            slots,
-            counts,
-            rows,
-            n,
-            eps,
-            x.stride(0),
-            residual.stride(0) if residual is not None else 0,
-            out.stride(0),
-            HAS_RESIDUAL=residual is not None,
-            QUANT=quant,
-            BLOCK=block,
-            PERSISTENT=persistent,
-            SNAP=INTERPRETED,
-            PDL=pdl_for(x.device),
-            PARTS=parts,
-            SLOTS=triton.next_power_of_2(parts),
-            PUBLISH=publish,
-            FINISH=finish,
-            num_warps=warps,
-            **launch_options(x.device),
-        )
+    programs, persistent = row_grid(rows, x.device, fp8.NORM_PROGRAMS_PER_SM)
+    block, warps = row_launch(x.shape[1], None if persistent else fp8.NORM_ELEMENTS_PER_WARP)
+    _add_rmsnorm_kernel[(programs,)](
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        scale,
+        rows,
+        x.shape[1],
+        eps,
+        x.stride(0),
+        residual.stride(0) if residual is not None else 0,
+        out.stride(0),
+        HAS_RESIDUAL=residual is not None,
+        QUANT=quant,
+        BLOCK=block,
+        PERSISTENT=persistent,
+        SNAP=INTERPRETED,
+        PDL=pdl_for(x.device),
+        num_warps=warps,
+        **launch_options(x.device),
+    )
 
 
 @torch.library.custom_op("weft::add_rmsnorm_fp8", mutates_args=("residual",))

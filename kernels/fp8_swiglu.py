@@ -11,20 +11,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import fp8
 from kernels.fp8 import (
     FP8,
     INTERPRETED,
-    exchange_row_partials,
     launch_options,
     pdl_for,
     pdl_wait,
     quantize_reference,
     row_grid,
     row_launch,
-    row_split,
-    split_passes,
-    split_slots,
     static_inv_scale,
     store_row,
 )
@@ -37,47 +32,18 @@ def _swiglu_row(
     gate,
     up,
     row,
-    part,
     cols,
     mask,
     out_ptr,
     scale_ptr,
-    slots_ptr,
-    counts_ptr,
     inv_static,
     stride_o,
     QUANT: tl.constexpr,
     SNAP: tl.constexpr,
-    PARTS: tl.constexpr,
-    SLOTS: tl.constexpr,
-    PUBLISH: tl.constexpr,
-    FINISH: tl.constexpr,
 ):
-    """Finish one row, or one of its PARTS parts (which share only the row's amax)."""
     gate = gate.to(tl.float32)
     y = gate * tl.sigmoid(gate) * up.to(tl.float32)
-    amax = 0.0
-    if QUANT == 2:
-        amax = tl.max(tl.abs(y), axis=0)
-        if PARTS > 1:
-            _, amax = exchange_row_partials(
-                slots_ptr, counts_ptr, row, part, 0.0, amax, PARTS, SLOTS, PUBLISH, FINISH
-            )
-    if FINISH:
-        store_row(
-            y,
-            amax,
-            out_ptr,
-            tl.cast(row, tl.int64),
-            stride_o,
-            cols,
-            mask,
-            scale_ptr,
-            inv_static,
-            part == 0,
-            QUANT,
-            SNAP,
-        )
+    store_row(y, out_ptr, tl.cast(row, tl.int64), stride_o, cols, mask, scale_ptr, inv_static, QUANT, SNAP)
 
 
 @triton.jit
@@ -85,8 +51,6 @@ def _swiglu_kernel(
     x_ptr,
     out_ptr,
     scale_ptr,
-    slots_ptr,
-    counts_ptr,
     n_rows,
     H,
     stride_x,
@@ -96,20 +60,13 @@ def _swiglu_kernel(
     PERSISTENT: tl.constexpr,
     SNAP: tl.constexpr,
     PDL: tl.constexpr,
-    PARTS: tl.constexpr = 1,
-    SLOTS: tl.constexpr = 1,
-    PUBLISH: tl.constexpr = True,
-    FINISH: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
-    # One program per row, or per part of a row (PARTS > 1); persistent: the first row of several.
-    row = pid // PARTS
-    part = pid % PARTS
-    cols = part * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, BLOCK)
     mask = cols < H
     pdl_wait(PDL, False)
     inv_static = static_inv_scale(scale_ptr, QUANT)
-    row_ptr = x_ptr + tl.cast(row, tl.int64) * stride_x
+    row_ptr = x_ptr + tl.cast(pid, tl.int64) * stride_x
     gate = tl.load(row_ptr + cols, mask=mask, other=0.0)
     up = tl.load(row_ptr + H + cols, mask=mask, other=0.0)
     if PERSISTENT:
@@ -120,17 +77,11 @@ def _swiglu_kernel(
             more = mask & (nxt < n_rows)
             gate_next = tl.load(x_ptr + nxt * stride_x + cols, mask=more, other=0.0)
             up_next = tl.load(x_ptr + nxt * stride_x + H + cols, mask=more, other=0.0)
-            _swiglu_row(
-                gate, up, row, 0, cols, mask, out_ptr, scale_ptr, slots_ptr, counts_ptr, inv_static, stride_o,
-                QUANT, SNAP, 1, 1, True, True,
-            )  # fmt: skip
+            _swiglu_row(gate, up, row, cols, mask, out_ptr, scale_ptr, inv_static, stride_o, QUANT, SNAP)
             gate = gate_next
             up = up_next
     else:
-        _swiglu_row(
-            gate, up, row, part, cols, mask, out_ptr, scale_ptr, slots_ptr, counts_ptr, inv_static, stride_o,
-            QUANT, SNAP, PARTS, SLOTS, PUBLISH, FINISH,
-        )  # fmt: skip
+        _swiglu_row(gate, up, pid, cols, mask, out_ptr, scale_ptr, inv_static, stride_o, QUANT, SNAP)
 
 
 def _launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, quant: int) -> None:
@@ -141,40 +92,24 @@ def _launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, quant: int)
     rows, hidden = x.shape[0], x.shape[1] // 2
     if rows == 0:
         return
-    block, parts = row_split(rows, hidden)
-    if parts > 1:
-        programs, persistent = rows * parts, False
-        warps = max(1, min(32, block // fp8.SPLIT_ELEMENTS_PER_WARP))
-        # Only a per-row scale needs the parts to meet.
-        slots, counts = split_slots(x.device, rows, parts) if quant == QUANT_DYNAMIC else (out, out)
-    else:
-        block, warps = row_launch(hidden)
-        programs, persistent = row_grid(rows, x.device)
-        slots, counts = out, out
-    passes = split_passes() if parts > 1 and quant == QUANT_DYNAMIC else [(True, True)]
-    for publish, finish in passes:
-        _swiglu_kernel[(programs,)](
-            x,
-            out,
-            scale,
-            slots,
-            counts,
-            rows,
-            hidden,
-            x.stride(0),
-            out.stride(0),
-            QUANT=quant,
-            BLOCK=block,
-            PERSISTENT=persistent,
-            SNAP=INTERPRETED,
-            PDL=pdl_for(x.device),
-            PARTS=parts,
-            SLOTS=triton.next_power_of_2(parts),
-            PUBLISH=publish,
-            FINISH=finish,
-            num_warps=warps,
-            **launch_options(x.device),
-        )
+    block, warps = row_launch(hidden)
+    programs, persistent = row_grid(rows, x.device)
+    _swiglu_kernel[(programs,)](
+        x,
+        out,
+        scale,
+        rows,
+        hidden,
+        x.stride(0),
+        out.stride(0),
+        QUANT=quant,
+        BLOCK=block,
+        PERSISTENT=persistent,
+        SNAP=INTERPRETED,
+        PDL=pdl_for(x.device),
+        num_warps=warps,
+        **launch_options(x.device),
+    )
 
 
 @torch.library.custom_op("weft::swiglu_fp8", mutates_args=())
