@@ -204,9 +204,11 @@ def row_launch(n_cols: int, per_warp: int | None = None) -> tuple[int, int]:
 # Many rows: a few programs per SM (PERSISTENT_PROGRAMS_PER_SM) loop over the rows and issue the
 # loads of their next row before they reduce and write the current one, so HBM reads never pause for
 # a row's reduction or a program's launch. Taken when rows exceed PERSISTENT_WAVES times those
-# programs; fewer rows get one program per row (the shortest latency at decode). The norm runs two
-# programs per SM (rows of 16384 on H200: 3.43 -> 3.46 TB/s at 1024 rows, 3.57 -> 3.76 at 2048),
-# SwiGLU one (two cost it 3.42 -> 3.26 TB/s at 1024 rows).
+# programs; fewer rows get one program per row (the shortest latency at decode). The norm launches
+# two programs per SM (rows of 16384 on H200: 3.43 -> 3.46 TB/s at 1024 rows, 3.57 -> 3.76 at 2048),
+# SwiGLU one (two cost it 3.42 -> 3.26 TB/s at 1024 rows). For rows of 16384 a norm program is 32
+# warps of 64 registers (ptxas, sm_90), a whole register file, so the second program of an SM
+# starts when the first ends: two waves rather than two rows in flight.
 PERSISTENT_WAVES = 2
 PERSISTENT_PROGRAMS_PER_SM = 1
 NORM_PROGRAMS_PER_SM = 2

@@ -9,7 +9,8 @@ A program holds a whole row in registers, so each element is read once and writt
 of x, 2 of residual in, 2 of residual out and 1 (or 2) of output per element. The mean square and
 the row's amax come out of one reduction (amax |residual * weight| times rstd is amax |y|), so a
 dynamic scale costs no second pass over the row's warps. Few rows: one program per row. Many rows:
-two programs per SM walk the rows, each loading row i+1 while it finishes row i (kernels.fp8.row_grid).
+two programs per SM (kernels.fp8.row_grid) walk the rows, each loading row i+1 while it finishes
+row i.
 """
 
 from __future__ import annotations
