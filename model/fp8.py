@@ -1,8 +1,9 @@
 """FP8 decode (`model.fp8=true`): the plain model's linear weights quantized to e4m3 with one scale
 per output channel, and each block run on weft's fused FP8 kernels:
 
-    x -> RMSNorm + quantize -> [wq|wk|wv] FP8 GEMM -> attention -> quantize -> wo FP8 GEMM
-      -> residual add + RMSNorm + quantize -> [w1|w3] FP8 GEMM -> SwiGLU + quantize -> w2 FP8 GEMM -> + h
+    (previous MLP output, residual) -> residual add + RMSNorm + quantize -> [wq|wk|wv] FP8 GEMM
+      -> attention -> quantize -> wo FP8 GEMM -> residual add + RMSNorm + quantize -> [w1|w3] FP8 GEMM
+      -> SwiGLU + quantize -> w2 FP8 GEMM -> (MLP output, residual) to the next block
 
 Activations get one scale per token, computed inside the norm and SwiGLU kernels. The projections
 that read the same input are fused into one weight, so each reads its input once and launches once.
@@ -21,7 +22,7 @@ from torch import nn
 
 from kernels.fp8 import quantize_per_token, quantize_weight_per_channel
 from kernels.fp8_gemm import fp8_gemm
-from kernels.fp8_norm import add_rmsnorm_fp8, rmsnorm
+from kernels.fp8_norm import add_rmsnorm, add_rmsnorm_fp8, rmsnorm
 from kernels.fp8_swiglu import swiglu_fp8
 from model.llama import Llama, RMSNorm, TransformerBlock
 
@@ -68,14 +69,26 @@ class Fp8Linear(nn.Module):
         return self.after(self.fp8(q, scale).view(*x.shape[:-1], -1))
 
 
+# Between FP8 blocks the residual stream travels as (pending, residual): the last block's MLP output
+# has not been added yet, so that the next fused add + RMSNorm kernel does the add (one launch less
+# per layer than adding it here).
+ResidualStream = tuple[torch.Tensor, torch.Tensor]
+
+
 class FusedRMSNorm(nn.Module):
-    """RMSNorm through the fused kernel (one launch) in the activations' dtype."""
+    """The final RMSNorm through the fused kernel, in the activations' dtype: of a tensor, or of a
+    residual stream whose pending block output it adds first."""
 
     def __init__(self, norm: RMSNorm) -> None:
         super().__init__()
         self.weight, self.eps = norm.weight, norm.eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | ResidualStream) -> torch.Tensor:
+        if isinstance(x, tuple):
+            pending, residual = x
+            dim = residual.shape[-1]
+            out = add_rmsnorm(pending.reshape(-1, dim), residual.reshape(-1, dim), self.weight, self.eps)
+            return out.view_as(residual)
         return rmsnorm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view_as(x)
 
 
@@ -97,18 +110,28 @@ class Fp8Block(nn.Module):
         del attn.wq, attn.wk, attn.wv, attn.wo  # the bf16 copies are no longer needed
 
     def forward(
-        self, x: torch.Tensor, rope: torch.Tensor, input_pos: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        bsz, seqlen, dim = x.shape
-        residual = x.reshape(-1, dim).clone()
-        xq, xs = add_rmsnorm_fp8(residual, None, self.attention_norm.weight, self.attention_norm.eps, None)
+        self, x: torch.Tensor | ResidualStream, rope: torch.Tensor, input_pos: torch.Tensor | None = None
+    ) -> ResidualStream:
+        """The residual stream after this block, its MLP output still pending (ResidualStream); `x`
+        is the embedding output for the first block, the previous block's stream after that."""
+        norm = self.attention_norm
+        if isinstance(x, tuple):
+            pending, stream = x
+            bsz, seqlen, dim = stream.shape
+            residual = stream.view(-1, dim)
+            # residual <- residual + the previous block's MLP output (in place), normalized, quantized.
+            xq, xs = add_rmsnorm_fp8(pending.reshape(-1, dim), residual, norm.weight, norm.eps, None)
+        else:
+            bsz, seqlen, dim = x.shape
+            residual = x.reshape(-1, dim).clone()  # updated in place below; x is the caller's
+            xq, xs = add_rmsnorm_fp8(residual, None, norm.weight, norm.eps, None)
         q, k, v = self.qkv(xq, xs).view(bsz, seqlen, -1).split(self.qkv_sizes, dim=-1)
         attended = self.attention.attend(q, k, v, rope, input_pos).reshape(bsz * seqlen, -1)
         attn_out = self.reduce(self.wo(*quantize_per_token(attended)))
         # residual <- residual + attention output (in place); its norm, quantized, feeds the MLP.
         hq, hs = add_rmsnorm_fp8(attn_out, residual, self.ffn_norm.weight, self.ffn_norm.eps, None)
         mlp_out = self.reduce(self.w2(*swiglu_fp8(self.w13(hq, hs), None)))
-        return (residual + mlp_out).view(bsz, seqlen, dim)
+        return mlp_out.view(bsz, seqlen, dim), residual.view(bsz, seqlen, dim)
 
 
 @torch.no_grad()

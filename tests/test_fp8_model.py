@@ -22,6 +22,10 @@ def test_fp8_model_tracks_bf16(tie: bool) -> None:
     )
     model = Llama(args).to(DEVICE)
     model.init_weights()
+    with torch.no_grad():
+        # Untied, the embedding's std of 1 would drown the blocks' outputs and a dropped residual add
+        # would go unseen: at std 0.02, dropping one moves the logits by >= 12%, FP8 by <= 6%.
+        model.tok_embeddings.weight.normal_(std=0.02)
     model = model.to(torch.bfloat16).eval()
     tokens = torch.randint(0, 160, (2, 12), device=DEVICE)
     model.setup_caches(2, 16)
@@ -36,7 +40,7 @@ def test_fp8_model_tracks_bf16(tie: bool) -> None:
     step = model(tokens[:, -1:], torch.tensor([12], device=DEVICE))[:, -1].float()
     assert torch.isfinite(step).all()
     rel = ((got - expected).norm() / expected.norm()).item()
-    assert rel < 0.1, rel  # e4m3 keeps 3 mantissa bits: a few percent, not more
+    assert rel < 0.08, rel  # e4m3 keeps 3 mantissa bits: a few percent, not more
 
 
 def test_compiled_fp8_decode_step_matches_eager() -> None:
