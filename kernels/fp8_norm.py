@@ -1,6 +1,6 @@
 """Residual add + RMSNorm (+ FP8 quantize) in one pass over each row.
 
-    residual <- residual + x                        (in place, rounded to residual's dtype)
+    residual' = residual + x                        (a new tensor, rounded to residual's dtype)
     y        =  residual * rsqrt(mean(residual^2) + eps) * weight
     out      =  e4m3(y / scale)   with a static scale, or a per-row scale = amax(|y|) / 448
                 or y itself in bf16 for the bf16 decode path
@@ -50,13 +50,13 @@ def _norm_row(
     row,
     cols,
     mask,
-    res_ptr,
+    res_out_ptr,
     out_ptr,
     scale_ptr,
     inv_static,
     N,
     eps,
-    stride_r,
+    stride_ro,
     stride_o,
     HAS_RESIDUAL: tl.constexpr,
     QUANT: tl.constexpr,
@@ -67,8 +67,8 @@ def _norm_row(
     if HAS_RESIDUAL:
         h = x.to(tl.float32) + r.to(tl.float32)
         # Normalise the stored (rounded) residual, as the next layer will see it.
-        h = downcast(h, res_ptr.dtype.element_ty, SNAP)
-        tl.store(res_ptr + row * stride_r + cols, h, mask=mask)
+        h = downcast(h, res_out_ptr.dtype.element_ty, SNAP)
+        tl.store(res_out_ptr + row * stride_ro + cols, h, mask=mask)
         h = h.to(tl.float32)
     else:
         h = x.to(tl.float32)
@@ -93,6 +93,7 @@ def _norm_row(
 def _add_rmsnorm_kernel(
     x_ptr,
     res_ptr,
+    res_out_ptr,
     w_ptr,
     out_ptr,
     scale_ptr,
@@ -101,6 +102,7 @@ def _add_rmsnorm_kernel(
     eps,
     stride_x,
     stride_r,
+    stride_ro,
     stride_o,
     HAS_RESIDUAL: tl.constexpr,
     QUANT: tl.constexpr,
@@ -133,8 +135,8 @@ def _add_rmsnorm_kernel(
             # The weight is re-read per row (from L1/L2) rather than held in registers across rows.
             w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             _norm_row(
-                x, r, w, row, cols, mask, res_ptr, out_ptr, scale_ptr, inv_static, N, eps, stride_r, stride_o,
-                HAS_RESIDUAL, QUANT, SNAP,
+                x, r, w, row, cols, mask, res_out_ptr, out_ptr, scale_ptr, inv_static, N, eps, stride_ro,
+                stride_o, HAS_RESIDUAL, QUANT, SNAP,
             )  # fmt: skip
             x = x_next
             r = r_next
@@ -149,8 +151,8 @@ def _add_rmsnorm_kernel(
         else:
             r = x
         _norm_row(
-            x, r, w, pid, cols, mask, res_ptr, out_ptr, scale_ptr, inv_static, N, eps, stride_r, stride_o,
-            HAS_RESIDUAL, QUANT, SNAP,
+            x, r, w, pid, cols, mask, res_out_ptr, out_ptr, scale_ptr, inv_static, N, eps, stride_ro,
+            stride_o, HAS_RESIDUAL, QUANT, SNAP,
         )  # fmt: skip
 
 
@@ -167,7 +169,7 @@ def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor)
         )
 
 
-def _launch(x, residual, weight, eps, out, scale, quant: int) -> None:
+def _launch(x, residual, residual_out, weight, eps, out, scale, quant: int) -> None:
     rows = x.shape[0]
     if rows == 0:
         return
@@ -176,6 +178,7 @@ def _launch(x, residual, weight, eps, out, scale, quant: int) -> None:
     _add_rmsnorm_kernel[(programs,)](
         x,
         residual if residual is not None else x,
+        residual_out if residual_out is not None else x,
         weight,
         out,
         scale,
@@ -184,6 +187,7 @@ def _launch(x, residual, weight, eps, out, scale, quant: int) -> None:
         eps,
         x.stride(0),
         residual.stride(0) if residual is not None else 0,
+        residual_out.stride(0) if residual_out is not None else 0,
         out.stride(0),
         HAS_RESIDUAL=residual is not None,
         QUANT=quant,
@@ -196,56 +200,77 @@ def _launch(x, residual, weight, eps, out, scale, quant: int) -> None:
     )
 
 
-@torch.library.custom_op("weft::add_rmsnorm_fp8", mutates_args=("residual",))
+def _fp8_outputs(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(e4m3 output, scales, QUANT mode): a scale per row to fill, or the static one (copied out, as a
+    custom op may not return its input)."""
+    out = torch.empty(x.shape, dtype=FP8, device=x.device)
+    if scale is None:
+        return out, torch.empty(x.shape[0], dtype=torch.float32, device=x.device), QUANT_DYNAMIC
+    return out, scale.clone(), QUANT_STATIC
+
+
+# The ops return the new residual rather than updating `residual` in place: the kernel moves the same
+# bytes either way, and torch.compile needs no functionalization copies around a pure op.
+@torch.library.custom_op("weft::add_rmsnorm_fp8", mutates_args=())
 def add_rmsnorm_fp8(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    scale: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 [M, N], fp32 scales) of RMSNorm(residual + x) * weight; `residual` is updated in place
-    (None: normalise x alone). `scale` given: static per-tensor; None: one scale per row, returned.
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, N], fp32 scales, residual + x) with RMSNorm(residual + x) * weight quantized: with the
+    static per-tensor `scale`, or (None) one scale per row.
 
     Scale convention (kernels.fp8): scale = amax / 448, q = e4m3(y / scale), y ~= q * scale."""
     _check(x, residual, weight)
-    out = torch.empty(x.shape, dtype=FP8, device=x.device)
-    if scale is None:
-        scales = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-        _launch(x, residual, weight, eps, out, scales, QUANT_DYNAMIC)
-        return out, scales
-    _launch(x, residual, weight, eps, out, scale, QUANT_STATIC)
-    return out, scale.clone()
+    out, scales, quant = _fp8_outputs(x, scale)
+    new_residual = torch.empty_like(residual)
+    _launch(x, residual, new_residual, weight, eps, out, scales if scale is None else scale, quant)
+    return out, scales, new_residual
 
 
 @add_rmsnorm_fp8.register_fake
 def _(x, residual, weight, eps, scale):
     scales = x.new_empty(x.shape[0], dtype=torch.float32) if scale is None else torch.empty_like(scale)
+    return x.new_empty(x.shape, dtype=FP8), scales, torch.empty_like(residual)
+
+
+@torch.library.custom_op("weft::rmsnorm_fp8", mutates_args=())
+def rmsnorm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, N], fp32 scales) of RMSNorm(x) * weight quantized (scales as add_rmsnorm_fp8)."""
+    _check(x, None, weight)
+    out, scales, quant = _fp8_outputs(x, scale)
+    _launch(x, None, None, weight, eps, out, scales if scale is None else scale, quant)
+    return out, scales
+
+
+@rmsnorm_fp8.register_fake
+def _(x, weight, eps, scale):
+    scales = x.new_empty(x.shape[0], dtype=torch.float32) if scale is None else torch.empty_like(scale)
     return x.new_empty(x.shape, dtype=FP8), scales
 
 
-@torch.library.custom_op("weft::add_rmsnorm", mutates_args=("residual",))
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The bf16 path: RMSNorm(residual + x) * weight in x's dtype, `residual` updated in place."""
+@torch.library.custom_op("weft::add_rmsnorm", mutates_args=())
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 path: (RMSNorm(residual + x) * weight in x's dtype, residual + x)."""
     _check(x, residual, weight)
-    out = torch.empty_like(x)
-    _launch(x, residual, weight, eps, out, out, QUANT_NONE)
-    return out
+    out, new_residual = torch.empty_like(x), torch.empty_like(residual)
+    _launch(x, residual, new_residual, weight, eps, out, out, QUANT_NONE)
+    return out, new_residual
 
 
 @add_rmsnorm.register_fake
 def _(x, residual, weight, eps):
-    return torch.empty_like(x)
+    return torch.empty_like(x), torch.empty_like(residual)
 
 
-# A separate op rather than add_rmsnorm(residual=None): torch.compile (2.11-2.13) fails to lower a
-# custom op whose mutable argument is None and that returns a single tensor.
 @torch.library.custom_op("weft::rmsnorm", mutates_args=())
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The bf16 path without a residual: RMSNorm(x) * weight in x's dtype."""
     _check(x, None, weight)
     out = torch.empty_like(x)
-    _launch(x, None, weight, eps, out, out, QUANT_NONE)
+    _launch(x, None, None, weight, eps, out, out, QUANT_NONE)
     return out
 
 

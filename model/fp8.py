@@ -22,7 +22,7 @@ from torch import nn
 
 from kernels.fp8 import quantize_per_token, quantize_weight_per_channel
 from kernels.fp8_gemm import fp8_gemm
-from kernels.fp8_norm import add_rmsnorm, add_rmsnorm_fp8, rmsnorm
+from kernels.fp8_norm import add_rmsnorm, add_rmsnorm_fp8, rmsnorm, rmsnorm_fp8
 from kernels.fp8_swiglu import swiglu_fp8
 from model.llama import Llama, RMSNorm, TransformerBlock
 
@@ -69,9 +69,9 @@ class Fp8Linear(nn.Module):
         return self.after(self.fp8(q, scale).view(*x.shape[:-1], -1))
 
 
-# Between FP8 blocks the residual stream travels as (pending, residual): the last block's MLP output
-# has not been added yet, so that the next fused add + RMSNorm kernel does the add (one launch less
-# per layer than adding it here).
+# Between FP8 blocks the residual stream travels as (pending [B, S, dim], residual [B * S, dim]): the
+# last block's MLP output has not been added yet, so that the next fused add + RMSNorm kernel does the
+# add (one launch less per layer than adding it here).
 ResidualStream = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -86,9 +86,8 @@ class FusedRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor | ResidualStream) -> torch.Tensor:
         if isinstance(x, tuple):
             pending, residual = x
-            dim = residual.shape[-1]
-            out = add_rmsnorm(pending.reshape(-1, dim), residual.reshape(-1, dim), self.weight, self.eps)
-            return out.view_as(residual)
+            out, _ = add_rmsnorm(pending.reshape(residual.shape), residual, self.weight, self.eps)
+            return out.view_as(pending)
         return rmsnorm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view_as(x)
 
 
@@ -116,22 +115,23 @@ class Fp8Block(nn.Module):
         is the embedding output for the first block, the previous block's stream after that."""
         norm = self.attention_norm
         if isinstance(x, tuple):
-            pending, stream = x
-            bsz, seqlen, dim = stream.shape
-            residual = stream.view(-1, dim)
-            # residual <- residual + the previous block's MLP output (in place), normalized, quantized.
-            xq, xs = add_rmsnorm_fp8(pending.reshape(-1, dim), residual, norm.weight, norm.eps, None)
+            pending, residual = x
+            bsz, seqlen, dim = pending.shape
+            # residual + the previous block's MLP output, and its norm quantized, in one kernel.
+            xq, xs, residual = add_rmsnorm_fp8(
+                pending.reshape(-1, dim), residual, norm.weight, norm.eps, None
+            )
         else:
             bsz, seqlen, dim = x.shape
-            residual = x.reshape(-1, dim).clone()  # updated in place below; x is the caller's
-            xq, xs = add_rmsnorm_fp8(residual, None, norm.weight, norm.eps, None)
+            residual = x.reshape(-1, dim)
+            xq, xs = rmsnorm_fp8(residual, norm.weight, norm.eps, None)
         q, k, v = self.qkv(xq, xs).view(bsz, seqlen, -1).split(self.qkv_sizes, dim=-1)
         attended = self.attention.attend(q, k, v, rope, input_pos).reshape(bsz * seqlen, -1)
         attn_out = self.reduce(self.wo(*quantize_per_token(attended)))
-        # residual <- residual + attention output (in place); its norm, quantized, feeds the MLP.
-        hq, hs = add_rmsnorm_fp8(attn_out, residual, self.ffn_norm.weight, self.ffn_norm.eps, None)
+        # residual + attention output; its norm, quantized, feeds the MLP.
+        hq, hs, residual = add_rmsnorm_fp8(attn_out, residual, self.ffn_norm.weight, self.ffn_norm.eps, None)
         mlp_out = self.reduce(self.w2(*swiglu_fp8(self.w13(hq, hs), None)))
-        return mlp_out.view(bsz, seqlen, dim), residual.view(bsz, seqlen, dim)
+        return mlp_out.view(bsz, seqlen, dim), residual
 
 
 @torch.no_grad()
