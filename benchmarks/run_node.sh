@@ -17,6 +17,7 @@
 #   cp        Ulysses loss curves (debug model) at cp = 1, 2, 4 on the triton path
 #   decode    tensor-parallel decode of llama3_70b at tp = N on every comm path, bf16 and FP8
 #   fp8       the FP8 kernels, their bandwidth floors, and the FP8 vs bf16 decode of llama3_8b on one GPU
+#             (eager and compiled: the README's two decode tables)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,7 +45,7 @@ step_command() {
     train) echo "${RUN[*]} -m benchmarks.bench_train_tp" ;;
     cp) echo "$PY -m benchmarks.loss_curves --device cuda --dim cp --degrees$(cp_degrees) parallel.comm=triton" ;;
     decode) echo "${RUN[*]} -m benchmarks.bench_decode --model llama3_70b --batch-sizes 1 8 32 --fp8 --comms torch symm_mem triton" ;;
-    fp8) echo "$PY -m benchmarks.bench_fp8 && $PY -m benchmarks.bench_fp8_floors && $PY -m benchmarks.bench_decode --model llama3_8b --fp8" ;;
+    fp8) echo "$PY -m benchmarks.bench_fp8 && $PY -m benchmarks.bench_fp8_floors && $PY -m benchmarks.bench_decode --model llama3_8b --fp8 && $PY -m benchmarks.bench_decode --model llama3_8b --batch-sizes 1 8 --fp8 --compile" ;;
     *) return 1 ;;
   esac
 }
