@@ -52,6 +52,15 @@ def main() -> None:
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
         cfg = compose("serve", overrides=[f"model={opts.model}"])
+    launcher = f"torchrun --nproc_per_node={world} " if world > 1 else "python "
+    flags = " --fp8" * opts.fp8 + " --compile" * opts.compile
+    comms = f" --comms {' '.join(opts.comms)}" if world > 1 else ""
+    name = f"decode-{opts.model}" + ("-compiled" if opts.compile else "")
+    notes = (
+        f"`{launcher}-m benchmarks.bench_decode --model {opts.model} --batch-sizes "
+        f"{' '.join(map(str, opts.batch_sizes))}{flags}{comms}`: prompt {opts.prompt_len}, "
+        f"{opts.decode_steps} decode steps timed, CUDA graphs"
+    )
     rows = []
     for comm in opts.comms if world > 1 else ["-"]:
         mesh = None
@@ -71,22 +80,10 @@ def main() -> None:
                     )
                     rows.append({"tp": world, "comm": comm, "fp8": fp8, **row})
                     if distributed.rank() == 0:
-                        print(rows[-1], flush=True)
+                        # Rewritten after every row, so a run cut short keeps what it measured.
+                        write_results(name, rows, notes=notes)
             del model
             torch.cuda.empty_cache()
-    if distributed.rank() == 0:
-        launcher = f"torchrun --nproc_per_node={world} " if world > 1 else "python "
-        flags = " --fp8" * opts.fp8 + " --compile" * opts.compile
-        comms = f" --comms {' '.join(opts.comms)}" if world > 1 else ""
-        write_results(
-            f"decode-{opts.model}" + ("-compiled" if opts.compile else ""),
-            rows,
-            notes=(
-                f"`{launcher}-m benchmarks.bench_decode --model {opts.model} --batch-sizes "
-                f"{' '.join(map(str, opts.batch_sizes))}{flags}{comms}`: prompt {opts.prompt_len}, "
-                f"{opts.decode_steps} decode steps timed, CUDA graphs"
-            ),
-        )
     distributed.shutdown()
 
 

@@ -5,6 +5,8 @@ per output channel, and each block run on weft's fused FP8 kernels:
       -> attention -> quantize -> wo FP8 GEMM -> residual add + RMSNorm + quantize -> [w1|w3] FP8 GEMM
       -> SwiGLU + quantize -> w2 FP8 GEMM -> (MLP output, residual) to the next block
 
+and after the last block: residual add + RMSNorm + quantize -> output FP8 GEMM -> logits.
+
 Activations get one scale per token, computed inside the norm and SwiGLU kernels. The projections
 that read the same input are fused into one weight, so each reads its input once and launches once.
 
@@ -22,7 +24,7 @@ from torch import nn
 
 from kernels.fp8 import quantize_per_token, quantize_weight_per_channel
 from kernels.fp8_gemm import fp8_gemm
-from kernels.fp8_norm import add_rmsnorm, add_rmsnorm_fp8, rmsnorm, rmsnorm_fp8
+from kernels.fp8_norm import add_rmsnorm_fp8, rmsnorm_fp8
 from kernels.fp8_swiglu import swiglu_fp8
 from model.llama import Llama, RMSNorm, TransformerBlock
 
@@ -55,40 +57,49 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+# Between FP8 blocks the residual stream travels as (pending [B, S, dim], residual [B * S, dim]): the
+# last block's MLP output has not been added yet, so that the next fused add + RMSNorm kernel does the
+# add (one launch less per layer than adding it here).
+ResidualStream = tuple[torch.Tensor, torch.Tensor]
+# An activation already in FP8: e4m3 [B, S, K] and its fp32 scales, one per token [B * S].
+Fp8Activation = tuple[torch.Tensor, torch.Tensor]
+
+
 class Fp8Linear(nn.Module):
-    """A bias-free linear layer on an FP8 copy of `weight` [N, K], quantizing its input per token;
-    `after` is applied to its output (the gather of vocabulary shards under tensor parallelism)."""
+    """A bias-free linear layer on an FP8 copy of `weight` [N, K], for an FP8 activation or a bf16 one
+    that it quantizes per token; `after` is applied to its output (the gather of vocabulary shards
+    under tensor parallelism)."""
 
     def __init__(self, weight: torch.Tensor, after: Hook = _identity) -> None:
         super().__init__()
         self.fp8 = Fp8Weight(weight)
         self.after = after
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, scale = quantize_per_token(x.reshape(-1, x.shape[-1]))
-        return self.after(self.fp8(q, scale).view(*x.shape[:-1], -1))
+    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
+        if isinstance(x, tuple):
+            q, scale = x
+        else:
+            q, scale = quantize_per_token(x.reshape(-1, x.shape[-1]))
+            q = q.view_as(x)
+        return self.after(self.fp8(q.reshape(-1, q.shape[-1]), scale).view(*q.shape[:-1], -1))
 
 
-# Between FP8 blocks the residual stream travels as (pending [B, S, dim], residual [B * S, dim]): the
-# last block's MLP output has not been added yet, so that the next fused add + RMSNorm kernel does the
-# add (one launch less per layer than adding it here).
-ResidualStream = tuple[torch.Tensor, torch.Tensor]
-
-
-class FusedRMSNorm(nn.Module):
-    """The final RMSNorm through the fused kernel, in the activations' dtype: of a tensor, or of a
-    residual stream whose pending block output it adds first."""
+class Fp8FinalNorm(nn.Module):
+    """The final RMSNorm of the last block's residual stream, quantized per token for the FP8 output
+    projection: the pending add, the norm and the quantize in one kernel."""
 
     def __init__(self, norm: RMSNorm) -> None:
         super().__init__()
         self.weight, self.eps = norm.weight, norm.eps
 
-    def forward(self, x: torch.Tensor | ResidualStream) -> torch.Tensor:
-        if isinstance(x, tuple):
-            pending, residual = x
-            out, _ = add_rmsnorm(pending.reshape(residual.shape), residual, self.weight, self.eps)
-            return out.view_as(pending)
-        return rmsnorm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view_as(x)
+    def forward(self, x: ResidualStream) -> Fp8Activation:
+        pending, residual = x
+        # Besides the launch it saves (no separate quantize), the op is one the blocks already call.
+        # torch 2.11's inductor prints the arguments of each op's first call in a graph, eagerly and
+        # recursively; an op first called after 32 blocks (a bf16 add + RMSNorm here, before) has a
+        # description that doubles with every block, and the compile of Llama-3-8B never finished.
+        q, scale, _ = add_rmsnorm_fp8(pending.reshape(residual.shape), residual, self.weight, self.eps, None)
+        return q.view_as(pending), scale
 
 
 class Fp8Block(nn.Module):
@@ -140,7 +151,7 @@ def convert_to_fp8(model: Llama, reduce: Hook = _identity, gather_logits: Hook =
     hooks are a tensor-parallel model's (module docstring)."""
     for i, block in enumerate(model.layers):
         model.layers[i] = Fp8Block(block, reduce)
-    model.norm = FusedRMSNorm(model.norm)
+    model.norm = Fp8FinalNorm(model.norm)
     model.output = Fp8Linear(model.output.weight, gather_logits)  # the embedding's weight when tied
     if model.tok_embeddings.weight.is_cuda:
         torch.cuda.empty_cache()
