@@ -117,7 +117,7 @@ def test_compiled_fp8_graph_calls_no_new_op_after_the_first_block() -> None:
     32 blocks kept the compile of Llama-3-8B from finishing. So every weft op the FP8 decode step
     calls must appear in its first block."""
     args = ModelArgs(dim=128, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=160, ffn_hidden=200)
-    model = convert_to_fp8(Llama(args).to(torch.bfloat16).eval())
+    model = convert_to_fp8(Llama(args).to(DEVICE, torch.bfloat16).eval())
     model.setup_caches(1, 16)
     graphs = []
 
@@ -127,14 +127,14 @@ def test_compiled_fp8_graph_calls_no_new_op_after_the_first_block() -> None:
 
     with torch.no_grad():
         torch.compile(model, backend=record, fullgraph=True)(
-            torch.zeros(1, 1, dtype=torch.long), torch.tensor([0])
+            torch.zeros(1, 1, dtype=torch.long, device=DEVICE), torch.tensor([0], device=DEVICE)
         )
     first_block: dict[str, int] = {}
     for node in graphs[0].graph.nodes:
         if not (isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "weft"):
             continue
         paths = [path for path, _ in node.meta.get("nn_module_stack", {}).values()]
-        blocks = [int(m.group(1)) for p in paths if (m := re.search(r"layers\W*(\d+)", p))]
+        blocks = [int(m.group(1)) for p in paths if (m := re.search(r"layers[^0-9a-zA-Z]*(\d+)", p))]
         first_block.setdefault(node.target.name(), blocks[0] if blocks else args.n_layers)
     assert {"weft::fp8_gemm", "weft::add_rmsnorm_fp8", "weft::swiglu_fp8"} <= first_block.keys()
     assert all(block == 0 for block in first_block.values()), first_block
