@@ -94,10 +94,6 @@ class Fp8FinalNorm(nn.Module):
 
     def forward(self, x: ResidualStream) -> Fp8Activation:
         pending, residual = x
-        # Besides the launch it saves (no separate quantize), the op is one the blocks already call.
-        # torch 2.11's inductor prints the arguments of each op's first call in a graph, eagerly and
-        # recursively; an op first called after 32 blocks (a bf16 add + RMSNorm here, before) has a
-        # description that doubles with every block, and the compile of Llama-3-8B never finished.
         q, scale, _ = add_rmsnorm_fp8(pending.reshape(residual.shape), residual, self.weight, self.eps, None)
         return q.view_as(pending), scale
 

@@ -20,6 +20,27 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor
     return torch.multinomial(torch.softmax(logits, dim=-1), 1).squeeze(-1)
 
 
+def register_weft_ops_with_inductor() -> None:
+    """Give every loaded weft op (torch.ops.weft) the inductor fallback it would get on first sight.
+
+    torch 2.11's inductor builds its "Creating implicit fallback" log line for an op's first call in a
+    graph eagerly, printing the IR of the op's arguments and, recursively, of their inputs. In the FP8
+    blocks every op is opaque, and each (values, scales) pair and the residual is a separate path back
+    to the previous block, so that text doubles with every block: an op first called after the 32
+    blocks of Llama-3-8B (the logits' all-gather under tensor parallelism, say) keeps the compile
+    from finishing. Registered up front, no weft op goes through that path."""
+    from torch._inductor import lowering
+    from torch._library.utils import get_layout_constraint_tag
+
+    for name in torch.ops.weft:
+        packet = getattr(torch.ops.weft, name)
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            if op not in lowering.lowerings:
+                tag = get_layout_constraint_tag(op, with_default=True)
+                lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(tag))
+
+
 class DecodeStep:
     """One decode step, logits [B, V] for tokens [B, 1] at position `pos`. On CUDA with
     `cuda_graph=True` the step is captured once into a graph over static buffers and replayed, so a
@@ -28,6 +49,8 @@ class DecodeStep:
     def __init__(
         self, model: Llama, batch: int, device: torch.device, cuda_graph: bool, compile: bool = False
     ) -> None:
+        if compile:
+            register_weft_ops_with_inductor()
         self.forward = torch.compile(model, dynamic=False, fullgraph=True) if compile else model
         self.use_graph = cuda_graph and device.type == "cuda"
         self.tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)

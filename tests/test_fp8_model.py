@@ -1,10 +1,8 @@
 """model.fp8=true: the FP8 decode model (fused kernels, FP8 weights) tracks the bf16 model, with the
 KV cache, on CPU through Triton's interpreter and on a GPU; so does its tensor-parallel form (tp=2 on
-gloo, on CPU). Compiled decode steps (compile=true) equal the eager ones, and their graphs call
-every weft op first in the first block."""
+gloo, on CPU). Compiled decode steps (compile=true) equal the eager ones."""
 
 import copy
-import re
 
 import pytest
 import torch
@@ -111,30 +109,25 @@ def test_tensor_parallel_fp8_model_tracks_bf16() -> None:
     run_ranks(_tp_fp8_tracks_bf16, 2)
 
 
-def test_compiled_fp8_graph_calls_no_new_op_after_the_first_block() -> None:
-    """torch 2.11's inductor prints the arguments of each op's first call in a graph, eagerly and
-    recursively, and the printed size doubles with every block before it: an op first called after
-    32 blocks kept the compile of Llama-3-8B from finishing. So every weft op the FP8 decode step
-    calls must appear in its first block."""
-    args = ModelArgs(dim=128, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=160, ffn_hidden=200)
+def test_compile_registers_weft_ops_with_inductor_up_front() -> None:
+    """compile=true gives every weft op its inductor fallback before anything is compiled, with the
+    layout constraint inductor would choose (model.generate.register_weft_ops_with_inductor: torch
+    2.11 would otherwise print a deep IR description of each op's first call, for minutes)."""
+    from torch._inductor import lowering
+    from torch._library.utils import get_layout_constraint_tag
+
+    args = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=160, ffn_hidden=200)
     model = convert_to_fp8(Llama(args).to(DEVICE, torch.bfloat16).eval())
-    model.setup_caches(1, 16)
-    graphs = []
-
-    def record(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):
-        graphs.append(gm)
-        return gm.forward
-
-    with torch.no_grad():
-        torch.compile(model, backend=record, fullgraph=True)(
-            torch.zeros(1, 1, dtype=torch.long, device=DEVICE), torch.tensor([0], device=DEVICE)
-        )
-    first_block: dict[str, int] = {}
-    for node in graphs[0].graph.nodes:
-        if not (isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "weft"):
-            continue
-        paths = [path for path, _ in node.meta.get("nn_module_stack", {}).values()]
-        blocks = [int(m.group(1)) for p in paths if (m := re.search(r"layers[^0-9a-zA-Z]*(\d+)", p))]
-        first_block.setdefault(node.target.name(), blocks[0] if blocks else args.n_layers)
-    assert {"weft::fp8_gemm", "weft::add_rmsnorm_fp8", "weft::swiglu_fp8"} <= first_block.keys()
-    assert all(block == 0 for block in first_block.values()), first_block
+    ops = [
+        getattr(getattr(torch.ops.weft, n), o)
+        for n in torch.ops.weft
+        for o in getattr(torch.ops.weft, n).overloads()
+    ]
+    assert {"add_rmsnorm_fp8", "fp8_gemm", "swiglu_fp8", "quantize_per_token"} <= set(torch.ops.weft)
+    for op in ops:  # as in a fresh process: earlier compiles in this one registered them on first sight
+        lowering.lowerings.pop(op, None)
+    DecodeStep(model, 1, torch.device(DEVICE), cuda_graph=False, compile=True)
+    assert all(op in lowering.lowerings for op in ops)
+    for op in ops:
+        expected = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+        assert lowering.maybe_layout_constraints(op) is expected, op
