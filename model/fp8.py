@@ -66,21 +66,16 @@ Fp8Activation = tuple[torch.Tensor, torch.Tensor]
 
 
 class Fp8Linear(nn.Module):
-    """A bias-free linear layer on an FP8 copy of `weight` [N, K], for an FP8 activation or a bf16 one
-    that it quantizes per token; `after` is applied to its output (the gather of vocabulary shards
-    under tensor parallelism)."""
+    """A bias-free linear layer on an FP8 copy of `weight` [N, K], for an activation already in FP8;
+    `after` is applied to its output (the gather of vocabulary shards under tensor parallelism)."""
 
     def __init__(self, weight: torch.Tensor, after: Hook = _identity) -> None:
         super().__init__()
         self.fp8 = Fp8Weight(weight)
         self.after = after
 
-    def forward(self, x: torch.Tensor | Fp8Activation) -> torch.Tensor:
-        if isinstance(x, tuple):
-            q, scale = x
-        else:
-            q, scale = quantize_per_token(x.reshape(-1, x.shape[-1]))
-            q = q.view_as(x)
+    def forward(self, x: Fp8Activation) -> torch.Tensor:
+        q, scale = x
         return self.after(self.fp8(q.reshape(-1, q.shape[-1]), scale).view(*q.shape[:-1], -1))
 
 
