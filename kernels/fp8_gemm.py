@@ -118,16 +118,16 @@ def _skinny_gemm_kernel(
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :]
     # The weight is no earlier kernel's output: its first tile streams in before the wait on the
-    # previous kernel (PDL), overlapping that kernel's tail; the activations are read after it.
-    b = tl.load(b_ptrs, mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
+    # previous kernel (PDL), overlapping that kernel's tail; the activations are read after it. That
+    # tile is multiplied last, so the pipelined loop over the other tiles never waits for it (0-2%
+    # faster on H200 than multiplying it first, fp8-notes.md).
+    b_first = tl.load(b_ptrs, mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
     pdl_wait(PDL, False)
-    a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+    a_first = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
     if SWAP_AB:
-        # out^T = B @ A^T: the weight tile is the MMA's M side (>= 64 rows: Hopper's wgmma, which
-        # reads e4m3 straight from shared memory), the few tokens its N side.
-        acc_t = tl.dot(b, tl.trans(a), tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32))
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
-        acc = tl.dot(a, tl.trans(b), tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(1, tl.cdiv(k_per_split, BLOCK_K)):
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
@@ -136,11 +136,16 @@ def _skinny_gemm_kernel(
         a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & in_k, other=0.0)
         b = tl.load(b_ptrs, mask=(offs_n[:, None] < N) & in_k, other=0.0)
         if SWAP_AB:
+            # out^T = B @ A^T: the weight tile is the MMA's M side (>= 64 rows: Hopper's wgmma, which
+            # reads e4m3 straight from shared memory), the few tokens its N side.
             acc_t = tl.dot(b, tl.trans(a), acc_t)
         else:
             acc = tl.dot(a, tl.trans(b), acc)
     if SWAP_AB:
+        acc_t = tl.dot(b_first, tl.trans(a_first), acc_t)
         acc = tl.trans(acc_t)
+    else:
+        acc = tl.dot(a_first, tl.trans(b_first), acc)
     if A_PER_TOKEN:
         acc = acc * tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
     else:
