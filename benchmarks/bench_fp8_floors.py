@@ -6,14 +6,16 @@ A floor is the fastest of several plain streaming kernels that move exactly the 
 of ours and do nothing else, timed the same way (bench_fp8: CUDA-graph replays of back-to-back
 calls, inputs rotated past L2, programmatic dependent launch):
 
-- GEMM N x K: read the N*K weight bytes (a grid of blocks, each reduces its words to one);
+- GEMM N x K: read the N*K weight bytes (a grid of blocks, each reduces its words to one), issued
+  before the PDL wait, as a kernel may read weights (no earlier kernel writes them);
 - norm rows x 16384: read x and residual (bf16), write a new residual (bf16) and an e4m3 output,
   element by element with no row reduction;
 - SwiGLU rows x 14336: read gate and up (bf16), write e4m3, element by element.
 
-Where the floor itself sits under a bandwidth bar, that bar cannot be met at that shape by any kernel
-timed this way: the per-call costs (DRAM latency before the first bytes land, the drain of the
-last writes before the next call may start) are the same for every kernel.
+The norm and SwiGLU floors read after the wait, since their inputs are the previous kernel's output.
+Where a floor sits under a bandwidth bar, no kernel timed this way is likely to meet that bar at
+that shape: the per-call costs (DRAM latency before the first bytes land, the drain of the last writes
+before the next call may start) are the same for every kernel.
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ WARPS = [4, 8, 16]
 
 @triton.jit
 def _read_kernel(src_ptr, sink_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL, False)
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     words = tl.load(src_ptr + offs, mask=offs < n, other=0)
+    pdl_wait(PDL, False)
     tl.store(sink_ptr + tl.program_id(0), tl.xor_sum(words, axis=0))
 
 
