@@ -131,9 +131,14 @@ def row(
 def sweep_rows() -> list[dict[str, object]]:
     """Norm and SwiGLU, one program per row, at 1, 256 and 1024 rows for several elements per warp
     (kernels.fp8 knobs), with PDL."""
-    defaults = (fp8.ELEMENTS_PER_WARP, fp8.NORM_ELEMENTS_PER_WARP, fp8.PERSISTENT_WAVES)
+    defaults = (
+        fp8.ELEMENTS_PER_WARP,
+        fp8.NORM_ELEMENTS_PER_WARP,
+        fp8.PERSISTENT_ROWS_PER_SM,
+        fp8.NORM_PERSISTENT_ROWS_PER_SM,
+    )
     out = []
-    fp8.PERSISTENT_WAVES = 10**9
+    fp8.PERSISTENT_ROWS_PER_SM = fp8.NORM_PERSISTENT_ROWS_PER_SM = 10**9
     for rows in [1, 256, 1024]:
         sets = norm_sets(rows, 16384)
         gate_up = [
@@ -155,7 +160,12 @@ def sweep_rows() -> list[dict[str, object]]:
                 }
             )
             print(out[-1], flush=True)
-    fp8.ELEMENTS_PER_WARP, fp8.NORM_ELEMENTS_PER_WARP, fp8.PERSISTENT_WAVES = defaults
+    (
+        fp8.ELEMENTS_PER_WARP,
+        fp8.NORM_ELEMENTS_PER_WARP,
+        fp8.PERSISTENT_ROWS_PER_SM,
+        fp8.NORM_PERSISTENT_ROWS_PER_SM,
+    ) = defaults
     return out
 
 

@@ -201,25 +201,23 @@ def row_launch(n_cols: int, per_warp: int | None = None) -> tuple[int, int]:
     return block, max(1, min(32, block // (per_warp or ELEMENTS_PER_WARP)))
 
 
-# Many rows: a few programs per SM (PERSISTENT_PROGRAMS_PER_SM) loop over the rows and issue the
-# loads of their next row before they reduce and write the current one, so HBM reads never pause for
-# a row's reduction or a program's launch. Taken when rows exceed PERSISTENT_WAVES times those
-# programs; fewer rows get one program per row (the shortest latency at decode). The norm launches
-# two programs per SM (rows of 16384 on H200: 3.43 -> 3.46 TB/s at 1024 rows, 3.57 -> 3.76 at 2048),
-# SwiGLU one (two cost it 3.42 -> 3.26 TB/s at 1024 rows). For rows of 16384 a norm program is 32
-# warps of 64 registers (ptxas, sm_90), a whole register file, so the second program of an SM
-# starts when the first ends: two waves rather than two rows in flight.
-PERSISTENT_WAVES = 2
-PERSISTENT_PROGRAMS_PER_SM = 1
-NORM_PROGRAMS_PER_SM = 2
+# Many rows: one program per SM loops over the rows and issues the loads of its next row before it
+# reduces and writes the current one, so HBM reads never pause for a row's reduction or a program's
+# launch. Taken when there are more than PERSISTENT_ROWS_PER_SM rows per SM (the norm:
+# NORM_PERSISTENT_ROWS_PER_SM); fewer rows get one program per row (the shortest latency at decode).
+# A program keeps whole rows in registers: for rows of 16384 a norm program is 32 warps of 64
+# registers (ptxas, sm_90), a whole register file, so a second program on an SM could only start when
+# the first ends. On H200 two SwiGLU programs per SM cost 3.42 -> 3.26 TB/s at 1024 rows.
+PERSISTENT_ROWS_PER_SM = 2
+NORM_PERSISTENT_ROWS_PER_SM = 4
 
 
-def row_grid(rows: int, device: torch.device, programs_per_sm: int | None = None) -> tuple[int, bool]:
-    """(programs, persistent) for a row kernel over `rows` rows; `programs_per_sm` defaults to
-    PERSISTENT_PROGRAMS_PER_SM."""
-    slots = programs_cap(device) * (programs_per_sm or PERSISTENT_PROGRAMS_PER_SM)
-    if rows > PERSISTENT_WAVES * slots:
-        return slots, True
+def row_grid(rows: int, device: torch.device, min_rows_per_sm: int | None = None) -> tuple[int, bool]:
+    """(programs, persistent) for a row kernel over `rows` rows: one program per SM when there are
+    more than `min_rows_per_sm` (default PERSISTENT_ROWS_PER_SM) rows per SM, else one per row."""
+    sms = programs_cap(device)
+    if rows > sms * (min_rows_per_sm or PERSISTENT_ROWS_PER_SM):
+        return sms, True
     return max(rows, 1), False
 
 

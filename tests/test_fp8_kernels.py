@@ -49,6 +49,21 @@ def bf16(*shape: int, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, device=DEVICE) * scale).to(torch.bfloat16)
 
 
+@pytest.mark.parametrize("ragged", [0, 3])
+def test_add_rmsnorm_persistent_rounds(poisoned: None, ragged: int) -> None:
+    """The persistent norm: one program per SM walks 5 whole rounds of rows, then `ragged` rows get
+    one-row programs of their own; every row must be written once, with the right values."""
+    from kernels import fp8
+
+    rows = (fp8.NORM_PERSISTENT_ROWS_PER_SM + 1) * fp8.programs_cap(torch.device(DEVICE)) + ragged
+    x, weight, residual = bf16(rows, 1000), bf16(1000, scale=0.5) + 1, bf16(rows, 1000, scale=3.0)
+    q, scales, got_residual = add_rmsnorm_fp8(x, residual, weight, 1e-5, None)
+    ref_q, ref_scales, new_residual = add_rmsnorm_fp8_reference(x, residual, weight, 1e-5, None)
+    assert torch.equal(got_residual, new_residual)
+    torch.testing.assert_close(scales, ref_scales, rtol=1e-4, atol=0)
+    assert rel_err(dequantize(q, scales), dequantize(ref_q, ref_scales)) < 2e-2
+
+
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("hidden", HIDDEN)
 @pytest.mark.parametrize("mode", ["dynamic", "static", "bf16"])
