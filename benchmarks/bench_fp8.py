@@ -1,7 +1,7 @@
 """FP8 decode kernels beside their stock peers, timed as CUDA-graph replays on one GPU.
 
     python -m benchmarks.bench_fp8              # norm, SwiGLU and GEMM tables
-    python -m benchmarks.bench_fp8 --tune       # tune GEMM tiles first (kernels/fp8_gemm_configs.json)
+    python -m benchmarks.bench_fp8 --tune       # first tune GEMM tiles for this GPU (fp8_gemm_configs.json)
     python -m benchmarks.bench_fp8 --sweep-rows # also time the row kernels' launch variants
 
 Norm: residual add + RMSNorm + per-token FP8 quantize of [rows, 16384] (ours, eager torch,
@@ -32,6 +32,9 @@ from kernels.fp8_swiglu import swiglu_fp8, swiglu_fp8_reference
 ROWS = [1, 4, 16, 64, 256, 1024, 2048]
 GEMM_M = [1, 2, 4, 8, 16, 32, 64]
 GEMM_NK = [(2304, 16384), (13312, 16384), (16384, 6656), (6144, 4096), (4096, 14336)]
+# The other FP8 decode GEMMs of Llama-3-8B (serve.py's benchmark model: wo, fused w1|w3, output):
+# tuned with the table's shapes so that serving it never falls back to heuristic_config, not tabled.
+TUNE_ONLY_NK = [(4096, 4096), (28672, 4096), (128256, 4096)]
 ROTATE_BYTES = 256 << 20  # several times the 50-60 MB L2
 
 
@@ -201,12 +204,19 @@ SPLITS = [1, 2, 3, 4, 5, 6, 8, 11, 12, 16]
 
 def tune_gemm() -> list[dict[str, object]]:
     """Try tile configs per (M bucket, N, K) (with PDL, as served) and keep the fastest in
-    kernels/fp8_gemm_configs.json."""
-    best: dict[str, gemm.GemmConfig] = dict(gemm.TUNED)
+    kernels/fp8_gemm_configs.json, under this GPU's model name."""
+    gpu = gemm.gpu_model(torch.device("cuda", torch.cuda.current_device()))
+    best: dict[str, gemm.GemmConfig] = dict(gemm.TUNED.get(gpu, {}))
     log = []
     for m in [16, 32, 64]:
-        operands = {(n, k): gemm_operands(m, n, k) for n, k in GEMM_NK}
-        results: dict[tuple[int, int], list[tuple[float, gemm.GemmConfig]]] = {nk: [] for nk in GEMM_NK}
+        operands = {(n, k): gemm_operands(m, n, k) for n, k in GEMM_NK + TUNE_ONLY_NK}
+        results: dict[tuple[int, int], list[tuple[float, gemm.GemmConfig]]] = {nk: [] for nk in operands}
+        # The config in use before this run (tuned earlier, the reference GPU's, or the heuristic).
+        before = {
+            nk: (cfg, time_us([partial(gemm.skinny_fp8_gemm, a, a_scale, b, s, cfg) for b, s in weights]))
+            for nk, (a, a_scale, weights) in operands.items()
+            for cfg in [gemm.config_for(m, *nk, a.device)]
+        }
         for bn, bk, stages, warps, swap in tune_space(m):
             for (n, k), (a, a_scale, weights) in operands.items():
                 for split in SPLITS:
@@ -234,12 +244,16 @@ def tune_gemm() -> list[dict[str, object]]:
                         "us": tt,
                         "TBps": n * k / tt / 1e6,
                         "config": str(cc),
+                        "before_us": before[(n, k)][1],
+                        "before_config": str(before[(n, k)][0]),
                     }
                 )
-            print(f"tuned M<={m} N={n} K={k}: {cfg} {t:.2f} us ({n * k / t / 1e6:.2f} TB/s)", flush=True)
-    gemm.save_tuned(best)
-    gemm.TUNED.clear()
-    gemm.TUNED.update(best)
+            print(
+                f"tuned M<={m} N={n} K={k}: {cfg} {t:.2f} us ({n * k / t / 1e6:.2f} TB/s); "
+                f"before {before[(n, k)][1]:.2f} us with {before[(n, k)][0]}",
+                flush=True,
+            )
+    gemm.save_tuned(gpu, best)
     return log
 
 
@@ -261,7 +275,7 @@ def bench_gemm() -> list[dict[str, object]]:
                 "ours_no_pdl_TBps": n * k / plain / 1e6,
                 "scaled_mm_TBps": n * k / peer / 1e6,
                 "speedup": peer / ours,
-                "config": str(gemm.config_for(m, n, k)),
+                "config": str(gemm.config_for(m, n, k, a.device)),
             }
         )
         print(rows_out[-1], flush=True)
@@ -287,7 +301,10 @@ def main() -> None:
     if opts.tune:
         write_results("fp8_gemm_tune", tune_gemm(), notes="best 5 tile configs per shape, M bucket; " + note)
     if opts.only in (None, "gemm"):
-        write_results("fp8_gemm", bench_gemm(), notes=note + "; TB/s of weight reads")
+        gpu = gemm.gpu_model(torch.device("cuda", torch.cuda.current_device()))
+        tuned_on = gpu if gpu in gemm.TUNED else gemm.REFERENCE_GPU
+        gemm_note = f"{note}; TB/s of weight reads; configs tuned on {tuned_on}"
+        write_results("fp8_gemm", bench_gemm(), notes=gemm_note)
     if opts.sweep_rows:
         write_results("fp8_row_sweep", sweep_rows(), notes=note + "; dynamic scales")
     if opts.only in (None, "norm"):

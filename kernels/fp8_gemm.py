@@ -13,10 +13,11 @@ workspace kept at a sentinel (EMPTY) between calls, and the last slice of each c
 as they land (each element its own arrival flag), sums them in slice order and re-arms the workspace:
 one launch, a deterministic result, no zero-fill and no counter round trip.
 
-Tile configs are tuned per (M bucket, N, K) on the GPU by `benchmarks/bench_fp8.py --tune` and kept in
+Tile configs are tuned per GPU model and (M bucket, N, K) by `benchmarks/bench_fp8.py --tune` and kept in
 fp8_gemm_configs.json beside this file, so serving never autotunes (triton.autotune would time configs
-inside the first call, i.e. inside a CUDA-graph warm-up, and its choice would differ run to run);
-untuned shapes use a heuristic. The weight's first K tile is loaded before the kernel waits on the
+inside the first call, i.e. inside a CUDA-graph warm-up, and its choice would differ run to run). A GPU
+model with no configs of its own uses the reference GPU's (REFERENCE_GPU); untuned shapes use a
+heuristic. The weight's first K tile is loaded before the kernel waits on the
 previous one (programmatic dependent launch, kernels.fp8.USE_PDL), and so are the weight's scales: weights
 and their scales must not be written by the kernel right before the call.
 Beyond M = 64 the work is no longer weight-bound and `torch._scaled_mm` takes over.
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -64,10 +66,18 @@ def heuristic_config(m: int, n: int, k: int, sm_count: int = 132) -> GemmConfig:
     return GemmConfig(block_n, block_k, split, num_stages=3, swap_ab=True)
 
 
-def _load_tuned() -> dict[str, GemmConfig]:
+# The GPU the benchmarks and bars are measured on; its configs also serve GPU models tuned for nothing.
+REFERENCE_GPU = "NVIDIA H200"
+
+
+def _load_tuned() -> dict[str, dict[str, GemmConfig]]:
+    """{GPU model name: {config_key: GemmConfig}} from CONFIG_FILE."""
     if not CONFIG_FILE.is_file():
         return {}
-    return {key: GemmConfig(**value) for key, value in json.loads(CONFIG_FILE.read_text()).items()}
+    return {
+        gpu: {key: GemmConfig(**value) for key, value in configs.items()}
+        for gpu, configs in json.loads(CONFIG_FILE.read_text()).items()
+    }
 
 
 TUNED = _load_tuned()
@@ -77,12 +87,26 @@ def config_key(m: int, n: int, k: int) -> str:
     return f"{m_bucket(m)},{n},{k}"
 
 
-def config_for(m: int, n: int, k: int) -> GemmConfig:
-    return TUNED.get(config_key(m, n, k)) or heuristic_config(m, n, k)
+@cache
+def gpu_model(device: torch.device) -> str:
+    """The name configs are kept under: the CUDA device's name, REFERENCE_GPU off CUDA (interpreter)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else REFERENCE_GPU
 
 
-def save_tuned(configs: dict[str, GemmConfig]) -> None:
-    CONFIG_FILE.write_text(json.dumps({k: asdict(v) for k, v in sorted(configs.items())}, indent=1) + "\n")
+def config_for(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
+    """The tuned config of `device`'s GPU model, else the reference GPU's, else heuristic_config."""
+    key = config_key(m, n, k)
+    for gpu in (gpu_model(device), REFERENCE_GPU):
+        if key in TUNED.get(gpu, {}):
+            return TUNED[gpu][key]
+    return heuristic_config(m, n, k)
+
+
+def save_tuned(gpu: str, configs: dict[str, GemmConfig]) -> None:
+    """Keep `configs` as GPU model `gpu`'s in TUNED and CONFIG_FILE (other models' stay as they are)."""
+    TUNED[gpu] = dict(sorted(configs.items()))
+    everything = {name: {k: asdict(v) for k, v in cfgs.items()} for name, cfgs in sorted(TUNED.items())}
+    CONFIG_FILE.write_text(json.dumps(everything, indent=1) + "\n")
 
 
 @triton.jit
@@ -235,7 +259,7 @@ def skinny_fp8_gemm(
     (m, k), n = a.shape, b.shape[0]
     if m > MAX_M:
         raise ValueError(f"skinny_fp8_gemm handles M <= {MAX_M}, got M={m}: use fp8_gemm")
-    cfg = config or config_for(m, n, k)
+    cfg = config or config_for(m, n, k, a.device)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)

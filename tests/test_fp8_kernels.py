@@ -185,6 +185,22 @@ def test_heuristic_config_fills_the_gpu() -> None:
     assert gemm_module.heuristic_config(64, 4096, 512).split_k * 128 <= 512
 
 
+def test_configs_are_looked_up_per_gpu_model(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """A GPU model's own tuned config wins, a model tuned for nothing falls back to the reference GPU's,
+    an untuned shape to the heuristic; saving one model's configs keeps the others'."""
+    own, reference = GemmConfig(64, 128, 5, num_stages=6, swap_ab=True), GemmConfig(64, 256, 2, swap_ab=True)
+    monkeypatch.setattr(gemm_module, "TUNED", {gemm_module.REFERENCE_GPU: {"16,4096,512": reference}})
+    monkeypatch.setattr(gemm_module, "CONFIG_FILE", tmp_path / "configs.json")
+    monkeypatch.setattr(gemm_module, "gpu_model", lambda device: "Some GPU")
+    device = torch.device(DEVICE)
+    assert gemm_module.config_for(3, 4096, 512, device) == reference
+    gemm_module.save_tuned("Some GPU", {"16,4096,512": own})
+    assert gemm_module.config_for(3, 4096, 512, device) == own
+    assert gemm_module.config_for(3, 4096, 1024, device) == gemm_module.heuristic_config(3, 4096, 1024)
+    saved = gemm_module._load_tuned()
+    assert saved == {gemm_module.REFERENCE_GPU: {"16,4096,512": reference}, "Some GPU": {"16,4096,512": own}}
+
+
 def test_bad_inputs_fail_clearly() -> None:
     a, a_scale = quantize_per_token(bf16(2, 64))
     b, b_scale = quantize_weight_per_channel(bf16(32, 64))
