@@ -179,10 +179,25 @@ def test_split_k_workspace_outlives_its_growth(monkeypatch: pytest.MonkeyPatch) 
     assert old() is not None and (old().view(torch.int32) == gemm_module.EMPTY.value).all()
 
 
-def test_heuristic_config_fills_the_gpu() -> None:
-    cfg = gemm_module.heuristic_config(1, 2304, 16384)
-    assert (2304 // cfg.block_n) * cfg.split_k >= 264
-    assert gemm_module.heuristic_config(64, 4096, 512).split_k * 128 <= 512
+@pytest.mark.parametrize(
+    ("n", "k", "split"),
+    [
+        (2304, 16384, 3),
+        (4096, 4096, 2),
+        (6144, 4096, 1),
+        (1280, 8192, 4),
+        (2304, 2048, 1),
+        (10240, 8192, 3),
+        (28672, 4096, 1),
+    ],
+)
+def test_heuristic_split(n: int, k: int, split: int) -> None:
+    """Narrow N fills the 132 SMs once, 1-2 tiles per SM get a last wave at least 90% full (at M <= 16
+    only), wider N no split; every slice at least 2048 long."""
+    cfg = gemm_module.heuristic_config(1, n, k)
+    assert cfg.split_k == split
+    assert cfg.split_k == 1 or k // cfg.split_k >= 2048
+    assert gemm_module.heuristic_config(64, n, k).split_k == (1 if n >= 132 * 64 else split)
 
 
 def test_configs_are_looked_up_per_gpu_model(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
