@@ -84,10 +84,14 @@ def _load_tuned() -> dict[str, dict[str, GemmConfig]]:
     """{GPU model name: {config_key: GemmConfig}} from CONFIG_FILE."""
     if not CONFIG_FILE.is_file():
         return {}
-    return {
-        gpu: {key: GemmConfig(**value) for key, value in configs.items()}
-        for gpu, configs in json.loads(CONFIG_FILE.read_text()).items()
-    }
+    sections = json.loads(CONFIG_FILE.read_text())
+    if any("block_n" in cfgs for cfgs in sections.values()):
+        raise ValueError(
+            f"{CONFIG_FILE} holds configs keyed by shape only (the format before GPU models): nest them "
+            'under the name of the GPU they were tuned on, e.g. {"NVIDIA H200": {...}}, or re-run '
+            "python -m benchmarks.bench_fp8 --tune"
+        )
+    return {gpu: {key: GemmConfig(**cfg) for key, cfg in cfgs.items()} for gpu, cfgs in sections.items()}
 
 
 TUNED = _load_tuned()

@@ -214,6 +214,9 @@ def test_configs_are_looked_up_per_gpu_model(monkeypatch: pytest.MonkeyPatch, tm
     assert gemm_module.config_for(3, 4096, 1024, device) == gemm_module.heuristic_config(3, 4096, 1024)
     saved = gemm_module._load_tuned()
     assert saved == {gemm_module.REFERENCE_GPU: {"16,4096,512": reference}, "Some GPU": {"16,4096,512": own}}
+    (tmp_path / "configs.json").write_text('{"16,4096,512": {"block_n": 64, "block_k": 256, "split_k": 2}}')
+    with pytest.raises(ValueError, match="GPU models"):
+        gemm_module._load_tuned()
 
 
 def test_bad_inputs_fail_clearly() -> None:
