@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_fp8              # norm, SwiGLU and GEMM tables
     python -m benchmarks.bench_fp8 --tune       # first tune GEMM tiles for this GPU (fp8_gemm_configs.json)
+    python -m benchmarks.bench_fp8 --tune --tune-shapes 8192x8192 --only none   # ... and your model's shapes
     python -m benchmarks.bench_fp8 --sweep-rows # also time the row kernels' launch variants
 
 Norm: residual add + RMSNorm + per-token FP8 quantize of [rows, 16384] (ours, eager torch,
@@ -202,14 +203,23 @@ def tune_space(bucket: int) -> list[tuple[int, int, int, int, bool]]:
 SPLITS = [1, 2, 3, 4, 5, 6, 8, 11, 12, 16]
 
 
-def tune_gemm() -> list[dict[str, object]]:
-    """Try tile configs per (M bucket, N, K) (with PDL, as served) and keep the fastest in
-    kernels/fp8_gemm_configs.json, under this GPU's model name."""
+def shape_arg(text: str) -> tuple[int, int]:
+    """ "NxK" (a weight of N output rows and K inputs, e.g. 4096x14336) as (N, K)."""
+    n, sep, k = text.lower().partition("x")
+    if not (sep and n.isdigit() and k.isdigit() and int(n) > 0 and int(k) > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a weight shape NxK such as 4096x14336")
+    return int(n), int(k)
+
+
+def tune_gemm(extra_nk: list[tuple[int, int]]) -> list[dict[str, object]]:
+    """Try tile configs per (M bucket, N, K) (with PDL, as served) for the table's shapes, TUNE_ONLY_NK
+    and `extra_nk`, and keep the fastest in kernels/fp8_gemm_configs.json, under this GPU's model name."""
     gpu = gemm.gpu_model(torch.device("cuda", torch.cuda.current_device()))
     best: dict[str, gemm.GemmConfig] = dict(gemm.TUNED.get(gpu, {}))
+    shapes = dict.fromkeys(GEMM_NK + TUNE_ONLY_NK + extra_nk)  # in order, each once
     log = []
     for m in [16, 32, 64]:
-        operands = {(n, k): gemm_operands(m, n, k) for n, k in GEMM_NK + TUNE_ONLY_NK}
+        operands = {(n, k): gemm_operands(m, n, k) for n, k in shapes}
         results: dict[tuple[int, int], list[tuple[float, gemm.GemmConfig]]] = {nk: [] for nk in operands}
         # The config in use before this run (tuned earlier, the reference GPU's, or the heuristic).
         before = {
@@ -287,11 +297,21 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--tune", action="store_true", help="tune GEMM tiles first and save them")
+    parser.add_argument(
+        "--tune-shapes",
+        nargs="+",
+        type=shape_arg,
+        default=[],
+        metavar="NxK",
+        help="with --tune, also tune these weight shapes (e.g. your model's: 8192x8192 57344x8192)",
+    )
     parser.add_argument("--only", choices=["norm", "swiglu", "gemm", "none"], help="run one table (or none)")
     parser.add_argument(
         "--sweep-rows", action="store_true", help="time the row kernels' launch variants (fp8_row_sweep)"
     )
     opts = parser.parse_args()
+    if opts.tune_shapes and not opts.tune:
+        parser.error("--tune-shapes needs --tune")
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8.py needs a CUDA GPU")
     note = (
@@ -299,7 +319,8 @@ def main() -> None:
         "launch (kernels.fp8.USE_PDL, as served), ours_no_pdl_us launched plainly"
     )
     if opts.tune:
-        write_results("fp8_gemm_tune", tune_gemm(), notes="best 5 tile configs per shape, M bucket; " + note)
+        log = tune_gemm(opts.tune_shapes)
+        write_results("fp8_gemm_tune", log, notes="best 5 tile configs per shape, M bucket; " + note)
     if opts.only in (None, "gemm"):
         gpu = gemm.gpu_model(torch.device("cuda", torch.cuda.current_device()))
         tuned_on = gpu if gpu in gemm.TUNED else gemm.REFERENCE_GPU
