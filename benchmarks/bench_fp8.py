@@ -17,6 +17,7 @@ programmatic dependent launch (as served) and without.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 from collections.abc import Callable
 from functools import partial
@@ -188,16 +189,20 @@ def scaled_mm(a, a_scale, b, b_scale):
     )
 
 
-def tune_space(bucket: int) -> list[tuple[int, int, int, int, bool]]:
-    """(block_n, block_k, num_stages, num_warps, swap_ab) tried per M bucket; split_k is swept on top.
-    Swapped 64-row weight tiles won every shape on H200 (wgmma reads e4m3 from shared memory)."""
+def tune_space(bucket: int) -> list[gemm.GemmConfig]:
+    """Tile configs tried per M bucket (split_k 1 here, swept on top). Swapped 64-row weight tiles won
+    every shape on H200 (wgmma reads e4m3 from shared memory); at M <= 16, without the early tile,
+    256 x 5 and 128 x 11 stages fit two programs per SM."""
+    swapped = partial(gemm.GemmConfig, split_k=1, swap_ab=True)
     if bucket <= 16:
-        space = [(64, 128, st, 4, True) for st in (3, 4, 6, 8)]
-        space += [(64, 256, st, 4, True) for st in (3, 4, 6)]
-        space += [(64, 512, 3, 4, True), (128, 128, 4, 4, True), (128, 256, 3, 4, True)]
-        return [*space, (32, 256, 4, 4, False)]
-    space = [(bn, bk, st, 4, True) for bn in (64, 128) for bk in (128, 256) for st in (3, 4)]
-    return [*space, (64, 256, 4, 4, False)]
+        space = [swapped(64, 128, num_stages=st) for st in (3, 4, 6, 8)]
+        space += [swapped(64, 256, num_stages=st) for st in (3, 4, 6)]
+        space += [swapped(64, 512, num_stages=3), swapped(128, 128, num_stages=4)]
+        space += [swapped(128, 256, num_stages=3)]
+        space += [swapped(64, bk, num_stages=st, early_tile=False) for bk, st in ((256, 5), (128, 11))]
+        return [*space, gemm.GemmConfig(32, 256, 1, num_stages=4)]
+    space = [swapped(bn, bk, num_stages=st) for bn in (64, 128) for bk in (128, 256) for st in (3, 4)]
+    return [*space, gemm.GemmConfig(64, 256, 1, num_stages=4)]
 
 
 SPLITS = [1, 2, 3, 4, 5, 6, 8, 11, 12, 16]
@@ -227,12 +232,13 @@ def tune_gemm(extra_nk: list[tuple[int, int]]) -> list[dict[str, object]]:
             for nk, (a, a_scale, weights) in operands.items()
             for cfg in [gemm.config_for(m, *nk, a.device)]
         }
-        for bn, bk, stages, warps, swap in tune_space(m):
+        for space_cfg in tune_space(m):
+            bk = space_cfg.block_k
             for (n, k), (a, a_scale, weights) in operands.items():
                 for split in SPLITS:
                     if (split - 1) * bk >= k or (split > 1 and k // split < bk):
                         continue
-                    cfg = gemm.GemmConfig(bn, bk, split, num_warps=warps, num_stages=stages, swap_ab=swap)
+                    cfg = dataclasses.replace(space_cfg, split_k=split)
                     try:
                         fns = [partial(gemm.skinny_fp8_gemm, a, a_scale, b, s, cfg) for b, s in weights]
                         t = time_us(fns)

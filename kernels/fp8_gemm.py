@@ -17,9 +17,9 @@ Tile configs are tuned per GPU model and (M bucket, N, K) by `benchmarks/bench_f
 fp8_gemm_configs.json beside this file, so serving never autotunes (triton.autotune would time configs
 inside the first call, i.e. inside a CUDA-graph warm-up, and its choice would differ run to run). A GPU
 model with no configs of its own uses the reference GPU's (REFERENCE_GPU); untuned shapes use a
-heuristic. The weight's first K tile is loaded before the kernel waits on the
-previous one (programmatic dependent launch, kernels.fp8.USE_PDL), and so are the weight's scales: weights
-and their scales must not be written by the kernel right before the call.
+heuristic. The weight's scales, and in most configs its first K tile, are loaded before the kernel
+waits on the previous one (programmatic dependent launch, kernels.fp8.USE_PDL): weights and their
+scales must not be written by the kernel right before the call.
 Beyond M = 64 the work is no longer weight-bound and `torch._scaled_mm` takes over.
 """
 
@@ -48,6 +48,9 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 4
     swap_ab: bool = False  # weight tile as the MMA's M side (wgmma on Hopper); needs block_n >= 64
+    # The first weight tile loaded before the PDL wait. It takes a shared-memory buffer of its own for
+    # the whole call, which without it can hold one more pipeline stage instead.
+    early_tile: bool = True
 
 
 def m_bucket(m: int) -> int:
@@ -146,6 +149,7 @@ def _skinny_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    EARLY_TILE: tl.constexpr,
     SPLIT: tl.constexpr,
     SNAP: tl.constexpr,
     PDL: tl.constexpr,
@@ -157,19 +161,26 @@ def _skinny_gemm_kernel(
     offs_k = pid_k * k_per_split + tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
     b_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :]
-    # The weight is no earlier kernel's output: its first tile and its scales stream in before the
-    # wait on the previous kernel (PDL), overlapping that kernel's tail; the activations are read after
-    # it. That tile is multiplied last, so the pipelined loop over the other tiles never waits for it
-    # (on H200 up to 2.5% faster than multiplying it first). The scales are loaded here rather than
-    # after the loop, where their DRAM latency would lengthen every program's tail by about 0.5 us
-    # (on H200 1-5% faster at the narrow shapes; fp8-notes.md).
-    b_first = tl.load(b_ptrs, mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
+    # The weight is no earlier kernel's output: its scales, and with EARLY_TILE its first tile, stream
+    # in before the wait on the previous kernel (PDL), overlapping that kernel's tail; the activations
+    # are read after it. The early tile is multiplied last, so the pipelined loop over the other tiles
+    # never waits for it (on H200 up to 2.5% faster than multiplying it first); its shared-memory
+    # buffer can instead hold one more stage, which wins at the narrow shapes (fp8-notes.md). The
+    # scales are loaded here rather than after the loop, where their DRAM latency would lengthen every
+    # program's tail by about 0.5 us (on H200 1-5% faster at the narrow shapes).
+    if EARLY_TILE:
+        b_first = tl.load(b_ptrs, mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
+    else:  # the loop starts with the first tile
+        a_ptrs -= BLOCK_K
+        b_ptrs -= BLOCK_K
+        offs_k -= BLOCK_K
     if B_PER_CHANNEL:
         b_scale = tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
     else:
         b_scale = tl.load(b_scale_ptr)
     pdl_wait(PDL, False)
-    a_first = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+    if EARLY_TILE:
+        a_first = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
     if A_PER_TOKEN:
         a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
     else:
@@ -178,7 +189,7 @@ def _skinny_gemm_kernel(
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(1, tl.cdiv(k_per_split, BLOCK_K)):
+    for _ in range(EARLY_TILE, tl.cdiv(k_per_split, BLOCK_K)):
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
         offs_k += BLOCK_K
@@ -192,9 +203,10 @@ def _skinny_gemm_kernel(
         else:
             acc = tl.dot(a, tl.trans(b), acc)
     if SWAP_AB:
-        acc_t = tl.dot(b_first, tl.trans(a_first), acc_t)
+        if EARLY_TILE:
+            acc_t = tl.dot(b_first, tl.trans(a_first), acc_t)
         acc = tl.trans(acc_t)
-    else:
+    elif EARLY_TILE:
         acc = tl.dot(a_first, tl.trans(b_first), acc)
     acc = acc * a_scale * b_scale
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -301,6 +313,7 @@ def skinny_fp8_gemm(
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         SWAP_AB=cfg.swap_ab,
+        EARLY_TILE=int(cfg.early_tile),
         SPLIT=splits > 1,
         SNAP=INTERPRETED,
         PDL=pdl_for(a.device),

@@ -137,6 +137,19 @@ def test_skinny_gemm(poisoned: None, m: int, n: int, k: int, split_k: int | None
     assert rel_err(out, fp8_gemm_reference(a, a_scale, b, b_scale)) < 1e-2
 
 
+@pytest.mark.parametrize(("m", "n", "k", "split_k"), [(1, 96, 1000, 1), (5, 200, 320, 3), (16, 72, 1000, 2)])
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_skinny_gemm_without_early_tile(
+    poisoned: None, m: int, n: int, k: int, split_k: int, swap_ab: bool
+) -> None:
+    """The loop starts with the first K tile when none is loaded before the PDL wait."""
+    a, a_scale = quantize_per_token(bf16(m, k))
+    b, b_scale = quantize_weight_per_channel(bf16(n, k, scale=0.05))
+    config = GemmConfig(64 if swap_ab else 32, 128, split_k, num_stages=5, swap_ab=swap_ab, early_tile=False)
+    out = skinny_fp8_gemm(a, a_scale, b, b_scale, config)
+    assert rel_err(out, fp8_gemm_reference(a, a_scale, b, b_scale)) < 1e-2
+
+
 def test_gemm_per_tensor_scales_and_large_m_handover(poisoned: None) -> None:
     a = bf16(70, 128).to(FP8)
     b = bf16(48, 128).to(FP8)
