@@ -31,6 +31,17 @@ def compile_ptx(
     """PTX of `kernel` for sm_90 with the given argument types and constexpr values. `aligned` names the
     arguments (or (tuple argument, element)) a launch specializes as divisible by 16; `options` are
     launch options (num_warps, num_stages)."""
+    return compile_sm90(kernel, signature, constexprs, aligned, **options).asm["ptx"]
+
+
+def compile_sm90(
+    kernel,
+    signature: dict[str, object],
+    constexprs: dict[str, object],
+    aligned: Iterable[str | tuple[str, int]] = (),
+    **options: int,
+):
+    """`kernel` compiled for sm_90 as compile_ptx does: `.asm["ptx"]`, `.metadata.shared` (bytes)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -45,7 +56,7 @@ def compile_ptx(
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     shared = compiled.metadata.shared
     assert shared <= MAX_SHARED_BYTES, f"{kernel.__name__} {options}: {shared} bytes of shared memory"
-    return compiled.asm["ptx"]
+    return compiled
 
 
 def run_without_interpreter(module: str, function: str = "check_sm90_ptx") -> None:

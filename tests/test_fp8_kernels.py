@@ -19,6 +19,7 @@ from kernels.fp8_norm import (
     rmsnorm_fp8,
 )
 from kernels.fp8_swiglu import swiglu, swiglu_fp8, swiglu_fp8_reference, swiglu_reference
+from tests.sm90 import MAX_SHARED_BYTES, compile_sm90, run_without_interpreter
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROWS = [1, 3, 17]
@@ -148,6 +149,49 @@ def test_skinny_gemm_without_early_tile(
     config = GemmConfig(64 if swap_ab else 32, 128, split_k, num_stages=5, swap_ab=swap_ab, early_tile=False)
     out = skinny_fp8_gemm(a, a_scale, b, b_scale, config)
     assert rel_err(out, fp8_gemm_reference(a, a_scale, b, b_scale)) < 1e-2
+
+
+def check_sm90_ptx() -> None:
+    """The GEMM configs of M <= 16 compile for sm_90 to wgmma, and those without the early tile fit two
+    programs per SM, which is what they are for. Runs without TRITON_INTERPRET (tests/sm90.py)."""
+    names = ("a", "b", "a_scale", "b_scale", "out", "partial")
+    types = ("*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*bf16", "*fp32")
+    signature = {f"{name}_ptr": t for name, t in zip(names, types, strict=True)}
+    signature |= dict.fromkeys(["M", "N", "K", "k_per_split", "stride_am", "stride_bn", "stride_om"], "i32")
+    aligned = ["a_ptr", "b_ptr", "out_ptr", "partial_ptr", "N", "K", "k_per_split", "stride_am", "stride_bn"]
+    tuned = list(gemm_module.TUNED[gemm_module.REFERENCE_GPU].items())
+    configs = [cfg for key, cfg in tuned if key.startswith("16,")] + [
+        gemm_module.heuristic_config(1, 2304, 16384)
+    ]
+    assert any(not cfg.early_tile for cfg in configs)
+    for cfg in configs:
+        constexprs = dict(
+            A_PER_TOKEN=True,
+            B_PER_CHANNEL=True,
+            BLOCK_M=16,
+            BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k,
+            SWAP_AB=cfg.swap_ab,
+            EARLY_TILE=int(cfg.early_tile),
+            SPLIT=cfg.split_k > 1,
+            SNAP=False,
+            PDL=True,
+        )
+        compiled = compile_sm90(
+            gemm_module._skinny_gemm_kernel,
+            signature,
+            constexprs,
+            aligned,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        assert "wgmma.mma_async" in compiled.asm["ptx"], f"{cfg}: no wgmma"
+        if not cfg.early_tile:
+            assert 2 * compiled.metadata.shared <= MAX_SHARED_BYTES, f"{cfg}: one program per SM"
+
+
+def test_gemm_compiles_for_sm90() -> None:
+    run_without_interpreter("tests.test_fp8_kernels")
 
 
 def test_gemm_per_tensor_scales_and_large_m_handover(poisoned: None) -> None:
