@@ -227,11 +227,11 @@ def tune_gemm(extra_nk: list[tuple[int, int]]) -> list[dict[str, object]]:
         operands = {(n, k): gemm_operands(m, n, k) for n, k in shapes}
         results: dict[tuple[int, int], list[tuple[float, gemm.GemmConfig]]] = {nk: [] for nk in operands}
         # The config in use before this run (tuned earlier, the reference GPU's, or the heuristic).
-        before = {
-            nk: (cfg, time_us([partial(gemm.skinny_fp8_gemm, a, a_scale, b, s, cfg) for b, s in weights]))
-            for nk, (a, a_scale, weights) in operands.items()
-            for cfg in [gemm.config_for(m, *nk, a.device)]
-        }
+        before = {}
+        for (n, k), (a, a_scale, weights) in operands.items():
+            cfg = gemm.config_for(m, n, k, a.device)
+            fns = [partial(gemm.skinny_fp8_gemm, a, a_scale, b, s, cfg) for b, s in weights]
+            before[(n, k)] = cfg, time_us(fns)
         for space_cfg in tune_space(m):
             bk = space_cfg.block_k
             for (n, k), (a, a_scale, weights) in operands.items():
