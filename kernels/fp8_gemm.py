@@ -59,14 +59,17 @@ def m_bucket(m: int) -> int:
 
 
 def heuristic_config(m: int, n: int, k: int, sm_count: int = 132) -> GemmConfig:
-    """Swapped tiles of 64 weight rows x 256 of K (wgmma on Hopper), 4 stages, and K split by how many
-    column tiles there are per SM:
+    """Swapped tiles of 64 weight rows x 256 of K (wgmma on Hopper), and K split by how many column
+    tiles there are per SM:
     - fewer tiles than SMs: split until the programs fill the SMs at most once (36 tiles: 3; 64: 2);
     - one to two tiles per SM, M <= 16: the smallest split whose last wave is 90% full (160: 3);
     - otherwise no split (larger M makes the partials dearer than the balance they buy).
     Each slice keeps at least 2048 of K. On H200 this came within 8% of the best of a 12-config sweep
     at 12 shapes x M = 1 / 16 / 64; "about two programs per SM", the rule before it, was up to 2.8x
-    slower (fp8-notes.md)."""
+    slower. Where the programs fill the SMs at most once and M <= 16, the loop runs 5 stages with no
+    early tile (the same shared memory as 4 stages with it, two programs per SM): on H200 3-12% faster
+    at 32 of 33 such (shape, M), where past one wave it ranged from 6% slower to 3% faster
+    (fp8-notes.md)."""
     block_n, block_k = 64, 256
     tiles = triton.cdiv(n, block_n)
     max_split = max(1, k // 2048)
@@ -76,7 +79,10 @@ def heuristic_config(m: int, n: int, k: int, sm_count: int = 132) -> GemmConfig:
     elif tiles < 2 * sm_count and m_bucket(m) <= 16:
         while split < max_split and tiles * split / (triton.cdiv(tiles * split, sm_count) * sm_count) < 0.9:
             split += 1
-    return GemmConfig(block_n, block_k, min(split, max_split), num_stages=4, swap_ab=True)
+    split = min(split, max_split)
+    if m_bucket(m) <= 16 and tiles * split <= sm_count:
+        return GemmConfig(block_n, block_k, split, num_stages=5, swap_ab=True, early_tile=False)
+    return GemmConfig(block_n, block_k, split, num_stages=4, swap_ab=True)
 
 
 # The GPU the benchmarks and bars are measured on; its configs also serve GPU models tuned for nothing.

@@ -250,10 +250,14 @@ def test_split_k_workspace_outlives_its_growth(monkeypatch: pytest.MonkeyPatch) 
 )
 def test_heuristic_split(n: int, k: int, split: int) -> None:
     """Narrow N fills the 132 SMs once, 1-2 tiles per SM get a last wave at least 90% full (at M <= 16
-    only), wider N no split; every slice at least 2048 long."""
+    only), wider N no split; every slice at least 2048 long. Programs that fit in one wave at M <= 16
+    give up the early tile for a fifth stage."""
     cfg = gemm_module.heuristic_config(1, n, k)
     assert cfg.split_k == split
     assert cfg.split_k == 1 or k // cfg.split_k >= 2048
+    one_wave = -(-n // 64) * split <= 132
+    assert (cfg.early_tile, cfg.num_stages) == ((False, 5) if one_wave else (True, 4))
+    assert gemm_module.heuristic_config(32, n, k).early_tile
     assert gemm_module.heuristic_config(64, n, k).split_k == (1 if n >= 132 * 64 else split)
 
 
