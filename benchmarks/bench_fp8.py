@@ -1,6 +1,7 @@
 """FP8 decode kernels beside their stock peers, timed as CUDA-graph replays on one GPU.
 
     python -m benchmarks.bench_fp8              # norm, SwiGLU and GEMM tables
+    python -m benchmarks.bench_fp8 --only untuned   # the GEMM on its rule for untuned shapes
     python -m benchmarks.bench_fp8 --tune       # first tune GEMM tiles for this GPU (fp8_gemm_configs.json)
     python -m benchmarks.bench_fp8 --tune --tune-shapes 8192x8192 --only none   # ... and your model's shapes
     python -m benchmarks.bench_fp8 --sweep-rows # also time the row kernels' launch variants
@@ -37,6 +38,11 @@ GEMM_NK = [(2304, 16384), (13312, 16384), (16384, 6656), (6144, 4096), (4096, 14
 # The other FP8 decode GEMMs of Llama-3-8B (serve.py's benchmark model: wo, fused w1|w3, output):
 # tuned with the table's shapes so that serving it never falls back to heuristic_config, not tabled.
 TUNE_ONLY_NK = [(4096, 4096), (28672, 4096), (128256, 4096)]
+# Shapes tuned for nothing, to time heuristic_config, the rule every other shape runs on: Llama-3-70B's
+# decode GEMMs whole (wqkv, wo, w1|w3, w2) and split 8 ways by tensor parallelism.
+UNTUNED_NK = [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672)]
+UNTUNED_NK += [(1280, 8192), (8192, 1024), (7168, 8192), (8192, 3584)]
+UNTUNED_M = [1, 8, 16, 64]
 ROTATE_BYTES = 256 << 20  # several times the 50-60 MB L2
 
 
@@ -273,11 +279,20 @@ def tune_gemm(extra_nk: list[tuple[int, int]]) -> list[dict[str, object]]:
     return log
 
 
-def bench_gemm() -> list[dict[str, object]]:
+def bench_gemm(
+    shapes: list[tuple[int, int]] = GEMM_NK, ms: list[int] = GEMM_M, heuristic: bool = False
+) -> list[dict[str, object]]:
+    """Ours (fp8_gemm, or with `heuristic` the skinny kernel on heuristic_config whatever is tuned)
+    beside torch._scaled_mm at every shape and M."""
     rows_out = []
-    for (n, k), m in itertools.product(GEMM_NK, GEMM_M):
+    for (n, k), m in itertools.product(shapes, ms):
         a, a_scale, weights = gemm_operands(m, n, k)
-        ours, plain = both_pdl([partial(gemm.fp8_gemm, a, a_scale, b, s) for b, s in weights])
+        if heuristic:
+            cfg = gemm.heuristic_config(m, n, k, fp8.programs_cap(a.device))
+            ours_fn = partial(gemm.skinny_fp8_gemm, config=cfg)
+        else:
+            cfg, ours_fn = gemm.config_for(m, n, k, a.device), gemm.fp8_gemm
+        ours, plain = both_pdl([partial(ours_fn, a, a_scale, b, s) for b, s in weights])
         peer = time_us([partial(scaled_mm, a, a_scale, b, s) for b, s in weights])
         rows_out.append(
             {
@@ -291,7 +306,7 @@ def bench_gemm() -> list[dict[str, object]]:
                 "ours_no_pdl_TBps": n * k / plain / 1e6,
                 "scaled_mm_TBps": n * k / peer / 1e6,
                 "speedup": peer / ours,
-                "config": str(gemm.config_for(m, n, k, a.device)),
+                "config": str(cfg),
             }
         )
         print(rows_out[-1], flush=True)
@@ -311,7 +326,9 @@ def main() -> None:
         metavar="NxK",
         help="with --tune, also tune these weight shapes (e.g. your model's: 8192x8192 57344x8192)",
     )
-    parser.add_argument("--only", choices=["norm", "swiglu", "gemm", "none"], help="run one table (or none)")
+    parser.add_argument(
+        "--only", choices=["norm", "swiglu", "gemm", "untuned", "none"], help="run one table (or none)"
+    )
     parser.add_argument(
         "--sweep-rows", action="store_true", help="time the row kernels' launch variants (fp8_row_sweep)"
     )
@@ -332,6 +349,10 @@ def main() -> None:
         tuned_on = gpu if gpu in gemm.TUNED else gemm.REFERENCE_GPU
         gemm_note = f"{note}; TB/s of weight reads; configs tuned on {tuned_on}"
         write_results("fp8_gemm", bench_gemm(), notes=gemm_note)
+    if opts.only in (None, "untuned"):
+        untuned_rows = bench_gemm(UNTUNED_NK, UNTUNED_M, heuristic=True)
+        untuned_note = f"{note}; TB/s of weight reads; every shape on kernels.fp8_gemm.heuristic_config"
+        write_results("fp8_gemm_untuned", untuned_rows, notes=untuned_note)
     if opts.sweep_rows:
         write_results("fp8_row_sweep", sweep_rows(), notes=note + "; dynamic scales")
     if opts.only in (None, "norm"):
