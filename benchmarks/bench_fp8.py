@@ -282,7 +282,7 @@ def tune_gemm(extra_nk: list[tuple[int, int]]) -> list[dict[str, object]]:
 def bench_gemm(
     shapes: list[tuple[int, int]] = GEMM_NK, ms: list[int] = GEMM_M, heuristic: bool = False
 ) -> list[dict[str, object]]:
-    """Ours (fp8_gemm, or with `heuristic` the skinny kernel on heuristic_config whatever is tuned)
+    """Ours (fp8_gemm, or with `heuristic` the skinny kernel on heuristic_config even where tuned)
     beside torch._scaled_mm at every shape and M."""
     rows_out = []
     for (n, k), m in itertools.product(shapes, ms):
