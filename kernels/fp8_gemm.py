@@ -15,9 +15,10 @@ one launch, a deterministic result, no zero-fill and no counter round trip.
 
 Hopper's e4m3 wgmma does not keep a full fp32 sum across a chain of instructions: left to run over
 all of K, all-positive operands came out 4-19% low at K = 4096-16384 on H200 (torch._scaled_mm:
-0.2%). So each K tile's products are summed by the tensor cores on their own and then added to the
-accumulator in fp32 (`max_num_imprecise_acc=BLOCK_K`), which brings the error to torch._scaled_mm's
-(fp8-notes.md).
+0.2% off). So each K tile's dot starts from zero and is added to the accumulator in fp32 registers,
+which brings the error to torch._scaled_mm's. (Triton's own promotion, `max_num_imprecise_acc`,
+adds inside the MMA chain, and ptxas then serializes every wgmma of the kernel: up to 35% slower at
+M = 64; fp8-notes.md.)
 
 Tile configs are tuned per GPU model and (M bucket, N, K) by `benchmarks/bench_fp8.py --tune` and kept in
 fp8_gemm_configs.json beside this file, so serving never autotunes (triton.autotune would time configs
@@ -211,15 +212,15 @@ def _skinny_gemm_kernel(
         if SWAP_AB:
             # out^T = B @ A^T: the weight tile is the MMA's M side (>= 64 rows: Hopper's wgmma, which
             # reads e4m3 straight from shared memory), the few tokens its N side.
-            acc_t = tl.dot(b, tl.trans(a), acc_t, max_num_imprecise_acc=BLOCK_K)
+            acc_t += tl.dot(b, tl.trans(a))
         else:
-            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=BLOCK_K)
+            acc += tl.dot(a, tl.trans(b))
     if SWAP_AB:
         if EARLY_TILE:
-            acc_t = tl.dot(b_first, tl.trans(a_first), acc_t, max_num_imprecise_acc=BLOCK_K)
+            acc_t += tl.dot(b_first, tl.trans(a_first))
         acc = tl.trans(acc_t)
     elif EARLY_TILE:
-        acc = tl.dot(a_first, tl.trans(b_first), acc, max_num_imprecise_acc=BLOCK_K)
+        acc += tl.dot(a_first, tl.trans(b_first))
     acc = acc * a_scale * b_scale
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]

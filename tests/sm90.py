@@ -59,6 +59,32 @@ def compile_sm90(
     return compiled
 
 
+def ptxas_log(ptx: str) -> str:
+    """What Triton's ptxas reports (-v) assembling `ptx` for sm_90a, e.g. that it had to serialize the
+    kernel's wgmma instructions."""
+    import tempfile
+
+    from triton import knobs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp, "kernel.ptx")
+        src.write_text(ptx)
+        done = subprocess.run(
+            [
+                knobs.nvidia.ptxas.path,
+                "-v",
+                "--gpu-name=sm_90a",
+                str(src),
+                "-o",
+                str(Path(tmp, "kernel.cubin")),
+            ],
+            capture_output=True,
+            text=True,
+        )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stderr
+
+
 def run_without_interpreter(module: str, function: str = "check_sm90_ptx") -> None:
     """Call `module.function()` in a child process without TRITON_INTERPRET; fail with its stderr."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
