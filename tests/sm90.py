@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -62,8 +63,6 @@ def compile_sm90(
 def ptxas_log(ptx: str) -> str:
     """What Triton's ptxas reports (-v) assembling `ptx` for sm_90a, e.g. that it had to serialize the
     kernel's wgmma instructions."""
-    import tempfile
-
     from triton import knobs
 
     with tempfile.TemporaryDirectory() as tmp:
