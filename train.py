@@ -55,17 +55,14 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e
 
 
 def resolve_device(name: str) -> torch.device:
-    """auto | cpu | cuda -> this rank's device (under torchrun, its own GPU when there is one per rank)."""
+    """auto | cpu | cuda -> this rank's device (under torchrun, the GPU parallel.distributed gave it)."""
     if name not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device={name!r} is not one of auto, cpu, cuda")
-    has_gpu = torch.cuda.is_available() and not (dist.is_initialized() and dist.get_backend() == "gloo")
+    has_gpu = torch.cuda.is_available()
     if name == "auto":
         name = "cuda" if has_gpu else "cpu"
     if name == "cuda" and not has_gpu:
-        raise ValueError(
-            f"device=cuda but this process has no GPU of its own ({torch.cuda.device_count()} visible): "
-            "use device=cpu, or no more ranks per node than GPUs"
-        )
+        raise ValueError("device=cuda but no CUDA GPU is visible: use device=cpu")
     return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device("cpu")
 
 

@@ -19,7 +19,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from benchmarks.common import write_results
+from benchmarks.common import refuse_shared_gpu, write_results
 from configs.schema import register_configs
 from parallel import distributed
 from parallel.mesh import ParallelDims, build_mesh, validate_comm_ops, validate_model
@@ -46,6 +46,7 @@ def main() -> None:
     opts = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA GPU")
+    refuse_shared_gpu()
     distributed.init_distributed()
     world = distributed.world_size()
     device = torch.device("cuda", torch.cuda.current_device())

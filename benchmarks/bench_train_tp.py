@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import device_name, write_results
+from benchmarks.common import device_name, refuse_shared_gpu, write_results
 from model.args import ModelArgs
 from model.llama import Llama
 from parallel.checkpoint import materialize
@@ -125,6 +125,7 @@ def main() -> None:
 
     if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
         raise SystemExit("GPU benchmark: run under torchrun on CUDA GPUs (see the module docstring)")
+    refuse_shared_gpu()
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)

@@ -100,11 +100,24 @@ def time_graph(
     return statistics.median(times)
 
 
+def refuse_shared_gpu() -> None:
+    """Exit when ranks share a GPU (parallel/shared_gpu.py): such timings say nothing about NVLink,
+    and no result table may carry them."""
+    from parallel.distributed import shared_gpu
+
+    if shared_gpu():
+        raise SystemExit(
+            "benchmark refused: ranks share a GPU here, and such timings say nothing about NVLink; "
+            "run with one GPU per rank (the shared-GPU mode is for correctness tests)"
+        )
+
+
 def init_gpu_ranks() -> dist.ProcessGroup:
     """Under torchrun: this rank on the GPU of its LOCAL_RANK, an NCCL process group, and symmetric
     memory enabled on it (PyTorch's fused ops need that on torch 2.11). Returns the world group."""
     from kernels.symm_mem import enable_symm_mem
 
+    refuse_shared_gpu()
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))

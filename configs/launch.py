@@ -18,5 +18,7 @@ def launch(main: Callable[[], None]) -> None:
     sys.argv += distributed.hydra_overrides_for_rank()
     try:
         main()
-    finally:
-        distributed.shutdown()
+    except BaseException:
+        distributed.shutdown()  # no meeting: the peers may never get there
+        raise
+    distributed.leave()

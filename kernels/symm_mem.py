@@ -6,8 +6,13 @@ Host side
 * `get_symm_buffer(group, nbytes, dtype)`: a symmetric buffer per (group name, size class, dtype, tag),
   allocated once with `torch.distributed._symmetric_memory.empty` and rendezvoused, with its device
   pointer tables (`buffer_ptrs_dev`, `signal_pad_ptrs_dev`), a per-rank epoch array and a status word.
+* Shared-GPU mode: when ranks of the group share a GPU (more ranks than GPUs, to test the kernels on
+  one GPU), torch's rendezvous refuses the group ("allocations from overlapping devices"), so each
+  rank allocates its buffer and signal pad with the caching allocator and maps its peers' with CUDA
+  IPC (`IpcHandle`). The kernels get the same `SymmBuffer` and cannot tell the difference.
 * `check_group(group)`: every rank of the group on one host with peer access to the others; a clear
-  error otherwise (symmetric memory is NVLink/P2P memory: it cannot span nodes).
+  error otherwise (symmetric memory is NVLink/P2P memory: it cannot span nodes). Says whether ranks
+  share a GPU.
 * `check_status(buf, op)`: raises `SymmMemTimeout` naming rank, op, barrier and the missing peer when a
   kernel's bounded wait gave up. Kernels never raise; they record and return.
 
@@ -35,6 +40,7 @@ status set and do not spin, so a lost peer costs one timeout, not one per call.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import warnings
@@ -114,11 +120,12 @@ def check_single_node(infos: list[dict[str, object]], rank: int, what: str = "sy
             f"group spans hosts {hosts} (ranks {others} are not on {mine[0]}). Use a group inside one "
             f"node (tensor parallel within a node), or the torch/NCCL path."
         )
-    uuids = [i["uuid"] for i in infos if i["uuid"]]
-    if len(set(uuids)) != len(uuids):
-        raise SymmMemError(
-            f"rank {rank}: two ranks of the group share one GPU ({uuids}); {what} needs one GPU each"
-        )
+
+
+def shares_gpu(infos: list[dict[str, object]]) -> bool:
+    """True when two ranks of the group sit on one GPU (by UUID, else by device index). Pure."""
+    gpus = [i["uuid"] or i["device"] for i in infos]
+    return len(set(gpus)) != len(gpus)
 
 
 def check_peer_access(infos: list[dict[str, object]], rank: int, can_access=None) -> None:
@@ -138,20 +145,23 @@ def check_peer_access(infos: list[dict[str, object]], rank: int, can_access=None
             )
 
 
-_CHECKED: set[str] = set()
+# Group name -> whether its ranks share a GPU (set once the group passed its checks).
+_CHECKED: dict[str, bool] = {}
 
 
-def check_group(group: dist.ProcessGroup) -> None:
-    """One-node + peer-access check for `group` (collective over the group; cached per group name)."""
+def check_group(group: dist.ProcessGroup) -> bool:
+    """One-node + peer-access check for `group` (collective over the group; cached per group name).
+    Returns True when ranks of the group share a GPU: their buffers are then mapped by CUDA IPC."""
     name = group.group_name
     if name in _CHECKED:
-        return
+        return _CHECKED[name]
     infos: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(infos, node_info(), group=group)
     rank = dist.get_rank(group)
     check_single_node(infos, rank)
     check_peer_access(infos, rank)
-    _CHECKED.add(name)
+    _CHECKED[name] = shares_gpu(infos)
+    return _CHECKED[name]
 
 
 def enable_symm_mem(group_name: str) -> None:
@@ -177,7 +187,7 @@ class SymmBuffer:
     nbytes: int  # usable bytes starting at `tensor`
     dtype: torch.dtype
     tensor: torch.Tensor  # uint8 [nbytes], this rank's view
-    handle: object  # torch _SymmetricMemory
+    handle: object  # torch's _SymmetricMemory, or an IpcHandle when ranks share a GPU
     buffer_ptrs_dev: int  # device address of world_size uint64 buffer base addresses
     signal_pad_ptrs_dev: int  # device address of world_size uint64 signal pad addresses
     base_offset: int  # bytes from the handle's buffer base to `tensor`
@@ -192,6 +202,45 @@ class SymmBuffer:
         return self.tensor[offset : offset + size].view(dtype)
 
 
+class IpcHandle:
+    """The shared-GPU stand-in for torch's symmetric-memory handle: this rank's buffer and signal pad
+    (one caching-allocator block) and every peer's, mapped with CUDA IPC, with device tables of their
+    addresses. It offers what weft's kernels use of the torch handle."""
+
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device) -> None:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        block = torch.zeros(nbytes + PAD_INT32S * 4, dtype=torch.uint8, device=device)
+        shared: list = [None] * self.world_size
+        dist.all_gather_object(shared, reduce_tensor(block), group=group)
+        try:
+            # A process cannot open its own IPC handle: it keeps its own tensor.
+            blocks = [block if r == self.rank else fn(*args) for r, (fn, args) in enumerate(shared)]
+        except RuntimeError as err:
+            raise SymmMemError(
+                f"rank {self.rank}: ranks of group {group.group_name!r} share a GPU, and mapping a peer's "
+                f"buffer with CUDA IPC failed ({str(err).splitlines()[0]}); use parallel.comm=torch"
+            ) from err
+        self.buffers = [b[:nbytes] for b in blocks]
+        self.pads = [b[nbytes:].view(torch.int32) for b in blocks]
+        # The kernels load peer addresses as uint64; addresses fit int64.
+        table = [b.data_ptr() for b in self.buffers] + [p.data_ptr() for p in self.pads]
+        self.ptr_table = torch.tensor(table, dtype=torch.int64, device=device)
+        self.buffer_ptrs_dev = self.ptr_table.data_ptr()
+        self.signal_pad_ptrs_dev = self.buffer_ptrs_dev + 8 * self.world_size
+
+    def get_buffer(
+        self, rank: int, sizes: list[int], dtype: torch.dtype, storage_offset: int = 0
+    ) -> torch.Tensor:
+        """Rank `rank`'s buffer as a `sizes` tensor of `dtype`, from element `storage_offset`."""
+        numel = math.prod(sizes)
+        return self.buffers[rank].view(dtype)[storage_offset : storage_offset + numel].view(sizes)
+
+    def get_signal_pad(self, rank: int, sizes: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return self.pads[rank].view(dtype)[: math.prod(sizes)].view(sizes)
+
+
 _CACHE: dict[tuple[str, int, torch.dtype, str], SymmBuffer] = {}
 
 
@@ -200,21 +249,23 @@ def get_symm_buffer(
 ) -> SymmBuffer:
     """The cached symmetric buffer of at least `nbytes` for (group, size class, dtype, tag); the first
     call for a key allocates and rendezvouses (collective: every rank of the group must call it)."""
-    from torch.distributed import _symmetric_memory as symm
-
     key = (group.group_name, size_class(nbytes), dtype, tag)
     buf = _CACHE.get(key)
     if buf is not None:
         return buf
-    check_group(group)
+    shared_gpu = check_group(group)
     device = torch.device("cuda", torch.cuda.current_device())
-    tensor = symm.empty(key[1], dtype=torch.uint8, device=device)
-    handle = symm.rendezvous(tensor, group.group_name)
+    if shared_gpu:
+        handle = IpcHandle(group, key[1], device)
+        tensor, base_offset = handle.buffers[handle.rank], 0
+    else:
+        from torch.distributed import _symmetric_memory as symm
+
+        tensor = symm.empty(key[1], dtype=torch.uint8, device=device)
+        handle = symm.rendezvous(tensor, group.group_name)
+        ptrs = getattr(handle, "buffer_ptrs", None)
+        base_offset = tensor.data_ptr() - int(ptrs[handle.rank]) if ptrs else 0
     rank, world = handle.rank, handle.world_size
-    base_offset = 0
-    ptrs = getattr(handle, "buffer_ptrs", None)
-    if ptrs:
-        base_offset = tensor.data_ptr() - int(ptrs[rank])
     try:
         pad = handle.get_signal_pad(rank, [PAD_INT32S], dtype=torch.int32)
     except (TypeError, RuntimeError):

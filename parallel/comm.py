@@ -24,7 +24,6 @@ use them where no matmul is attached (the embedding and the gradient of the sequ
 from __future__ import annotations
 
 import importlib
-import socket
 from collections.abc import Sequence
 
 import torch
@@ -178,28 +177,26 @@ def _(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
 
 
 def _check_cuda_peers(group: dist.ProcessGroup, path: str) -> None:
-    """Symmetric memory needs every rank of the group on one node, each on its own GPU, with peer
-    access between them; raise a one-line error otherwise."""
+    """Symmetric memory needs every rank of the group on one node with peer access between their GPUs;
+    weft's kernels also run with ranks sharing a GPU (buffers mapped by CUDA IPC), PyTorch's fused ops
+    do not. Raise a one-line error otherwise."""
     if not torch.cuda.is_available():
         raise CommUnavailable(f"parallel.comm={path} needs CUDA GPUs; on CPU use parallel.comm=torch")
-    device = torch.cuda.current_device()
-    where = [None] * dist.get_world_size(group)
-    dist.all_gather_object(where, (socket.gethostname(), device), group=group)
-    hosts = {host for host, _ in where}
-    if len(hosts) > 1:
-        raise CommUnavailable(
-            f"parallel.comm={path} needs every rank of its group on one node, but the group spans "
-            f"{sorted(hosts)}: keep parallel.tp (and parallel.cp) within one node or use parallel.comm=torch"
-        )
-    devices = [d for _, d in where]
-    if len(set(devices)) != len(devices):
-        raise CommUnavailable(f"parallel.comm={path} needs one GPU per rank; ranks share GPUs {devices}")
-    blocked = [d for d in devices if d != device and not torch.cuda.can_device_access_peer(device, d)]
-    if blocked:
-        raise CommUnavailable(
-            f"parallel.comm={path}: GPU {device} has no peer access to GPUs {blocked}: "
-            "use parallel.comm=torch"
-        )
+    from kernels.symm_mem import SymmMemError, check_group
+
+    try:
+        shared_gpu = check_group(group)
+    except SymmMemError as err:
+        raise CommUnavailable(f"parallel.comm={path}: {err}") from None
+    if shared_gpu and path == "symm_mem":
+        raise CommUnavailable(SYMM_MEM_SHARED_GPU)
+
+
+SYMM_MEM_SHARED_GPU = (
+    "parallel.comm=symm_mem cannot run with ranks sharing a GPU (PyTorch's rendezvous refuses "
+    "allocations from overlapping devices): use parallel.comm=triton (weft's kernels map the buffers "
+    "with CUDA IPC) or parallel.comm=torch"
+)
 
 
 class SymmMemComm(Comm):

@@ -7,7 +7,9 @@ directory (rank 0's launch time, broadcast) and only rank 0 writes Hydra's logs 
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -21,18 +23,42 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def gpu_of_rank(local_rank: int, local_world: int, gpus: int) -> int:
+    """The GPU of a local rank: its own while the node has a GPU per rank; with more ranks than GPUs
+    (shared-GPU mode, to test multi-rank kernels on one GPU) consecutive ranks share one."""
+    return local_rank if local_world <= gpus else local_rank * gpus // local_world
+
+
+def init_process_group(rank: int, world: int, local_rank: int, local_world: int) -> None:
+    """This rank's process group and device: gloo for CPU tensors and, where GPUs exist, the rank on
+    its GPU (`gpu_of_rank`) with NCCL for CUDA tensors; NCCL refuses two ranks on one GPU, so in
+    shared-GPU mode gloo serves the CUDA tensors too (it runs every collective weft calls on them)."""
+    gpus = torch.cuda.device_count()
+    if gpus == 0:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        return
+    device = torch.device("cuda", gpu_of_rank(local_rank, local_world, gpus))
+    torch.cuda.set_device(device)
+    backend = "cpu:gloo,cuda:nccl" if local_world <= gpus else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world, device_id=device)
+
+
+def shared_gpu() -> bool:
+    """True when this node runs more ranks than it has GPUs (set by torchrun's LOCAL_WORLD_SIZE)."""
+    gpus = torch.cuda.device_count()
+    return 0 < gpus < int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def init_distributed() -> None:
-    """Join the torchrun group if launched by torchrun (WORLD_SIZE > 1): gloo for CPU tensors and,
-    where GPUs exist, NCCL for CUDA tensors, each rank on the GPU of its LOCAL_RANK."""
+    """Join the torchrun group if launched by torchrun (WORLD_SIZE > 1): see `init_process_group`."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         return
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= torch.cuda.device_count():
-        torch.cuda.set_device(local_rank)
-        dist.init_process_group(backend="cpu:gloo,cuda:nccl", device_id=torch.device("cuda", local_rank))
-    else:
-        # More ranks per node than GPUs (or none): CPU only, on every rank alike.
-        dist.init_process_group(backend="gloo")
+    init_process_group(
+        int(os.environ["RANK"]),
+        int(os.environ["WORLD_SIZE"]),
+        int(os.environ.get("LOCAL_RANK", "0")),
+        int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+    )
 
 
 def agreed_launch_time() -> dt.datetime:
@@ -48,6 +74,35 @@ def hydra_overrides_for_rank() -> list[str]:
     if rank() == 0:
         return []
     return ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+
+
+# Module registries holding process groups or symmetric buffers (each module is looked at only where
+# it was loaded: importing the kernels costs seconds).
+_REGISTRIES = (
+    ("parallel.comm", ("_BY_GROUP",)),
+    ("kernels.custom_all_reduce", ("_REGISTRY",)),
+    ("kernels.symm_mem", ("_CACHE", "_CHECKED")),
+)
+
+
+def release_groups() -> None:
+    """Drop every registry entry that holds a process group or a symmetric buffer. A group still
+    referenced when `destroy_process_group` runs is destroyed at interpreter exit instead, where gloo's
+    threads can abort the process; and with ranks sharing a GPU, a rank's buffer must outlive its
+    peers' CUDA IPC mappings of it, so on success every rank releases, then all meet (`leave`)."""
+    for module, names in _REGISTRIES:
+        loaded = sys.modules.get(module)
+        for name in names if loaded is not None else ():
+            getattr(loaded, name).clear()
+    gc.collect()
+
+
+def leave() -> None:
+    """The way out of a run that succeeded on every rank: release, meet, destroy the group."""
+    if dist.is_initialized():
+        release_groups()
+        dist.barrier()
+    shutdown()
 
 
 def shutdown() -> None:

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from parallel.comm import COMM_PATHS
+from parallel.comm import COMM_PATHS, SYMM_MEM_SHARED_GPU
+from parallel.distributed import shared_gpu
 
 
 @dataclass(frozen=True)
@@ -99,13 +100,15 @@ def validate_model(dims: ParallelDims, args, seq_len: int | None = None, trainin
 def validate_device(dims: ParallelDims, device: torch.device) -> None:
     """The comm path must run on this device, and symmetric memory needs the tp (and cp) group on one
     node: checked from torchrun's LOCAL_WORLD_SIZE here; SymmMemComm checks host names and peer
-    access again when its group is built."""
+    access again when its group is built. Ranks sharing a GPU run weft's kernels, not PyTorch's."""
     if dims.comm == "torch":
         return
     if device.type != "cuda":
         raise ValueError(
             f"parallel.comm={dims.comm} needs CUDA GPUs; on {device.type} use parallel.comm=torch"
         )
+    if dims.comm == "symm_mem" and shared_gpu():
+        raise ValueError(SYMM_MEM_SHARED_GPU)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(dims.world)))
     span = dims.tp * dims.cp if dims.cp > 1 else dims.tp
     if local % span != 0:

@@ -5,19 +5,26 @@ import os
 import pytest
 import torch
 
+from parallel.shared_gpu import shared_gpu_ranks
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ranks = max(gpus, shared_gpu_ranks()) if gpus else 0
     for item in items:
         if "gpu" in item.keywords and gpus < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU; none is visible"))
         need = item.get_closest_marker("multigpu")
         if need is not None:
             want = need.kwargs.get("n", 2)
-            if gpus < want:
-                item.add_marker(
-                    pytest.mark.skip(reason=f"needs {want} CUDA GPUs with peer access; {gpus} visible")
-                )
+            if ranks < want:
+                reason = f"needs {want} ranks on CUDA GPUs; no GPU is visible"
+                if gpus:
+                    reason = (
+                        f"needs {want} ranks on CUDA GPUs; {gpus} visible (to share them: python -m "
+                        f"parallel.shared_gpu --ranks {want} -- python -m pytest -m multigpu)"
+                    )
+                item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(autouse=True)

@@ -1,23 +1,21 @@
-"""Run a test body on several processes, one rank each: gloo on CPU, or NCCL with one GPU per rank.
+"""Run a test body on several processes, one rank each: gloo on CPU, or on GPUs.
 
     run_ranks(body, world, *args)               # body(rank, world, *args), gloo
-    run_ranks(body, world, *args, backend="nccl")   # rank r on cuda:r (gloo beside it for CPU tensors)
+    run_ranks(body, world, *args, backend="nccl")   # each rank on its GPU (parallel.distributed decides)
 
-    @pytest.mark.parametrize("world", GPU_WORLDS)   # 2, 4 and 8 GPUs, each skipped where too few exist
+    @pytest.mark.parametrize("world", GPU_WORLDS)   # 2, 4 and 8 ranks, each skipped where they cannot run
 
-A failure on any rank fails the test with every failing rank's traceback. Teardown matters: weft keeps
-per-group state in module registries (the comm paths, the custom all-reduce objects, symmetric
-buffers), and a process group still referenced there when `destroy_process_group` runs is destroyed
-at interpreter exit instead, where gloo's worker threads can abort the process ("terminate called
-without an active exception"). `close_group` clears those registries first.
+On GPUs a rank gets the device `parallel.distributed.init_process_group` gives it (a body uses
+`torch.cuda.current_device()`): one GPU per rank with NCCL where there are enough, otherwise ranks
+share GPUs on gloo (shared-GPU mode: start pytest through `python -m parallel.shared_gpu`, which
+says how many ranks may share the GPUs). A failure on any rank fails the test with every failing
+rank's traceback; teardown releases weft's registries first (`parallel.distributed.release_groups`).
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import socket
-import sys
 import traceback
 from collections.abc import Callable
 
@@ -26,7 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# The world sizes of the multi-GPU tests; each runs only where that many GPUs are visible.
+from parallel import distributed
+
+# The world sizes of the multi-GPU tests; each runs only where that many ranks can run (tests/conftest.py).
 GPU_WORLDS = [pytest.param(w, marks=pytest.mark.multigpu(n=w)) for w in (2, 4, 8)]
 # The bounded wait of the GPU timeout tests. Triton compiles a kernel again when an integer argument
 # changes type: 3 s is, like the default 30 s, an int64 of nanoseconds (0.5 s would be an int32), so the
@@ -40,39 +40,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def close_group() -> None:
-    """Drop every registry entry that holds a process group, then destroy the default group."""
-    for module, names in (
-        ("parallel.comm", ("_BY_GROUP",)),
-        ("kernels.custom_all_reduce", ("_REGISTRY",)),
-        ("kernels.symm_mem", ("_CACHE", "_CHECKED")),
-    ):
-        loaded = sys.modules.get(module)  # only what the body imported: importing costs seconds
-        for name in names if loaded is not None else ():
-            getattr(loaded, name).clear()
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def rank_gpu() -> torch.device:
+    """This rank's GPU: its own, or the one it shares with other ranks."""
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def _entry(rank: int, world: int, port: int, backend: str, body: Callable, args: tuple, errors) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world))
-    device = None
     if backend == "nccl":
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
-        backend = "cpu:gloo,cuda:nccl"
-    dist.init_process_group(backend, rank=rank, world_size=world, device_id=device)
+        distributed.init_process_group(rank, world, rank, world)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
         body(rank, world, *args)
-        # Only after success: a rank whose peer failed mid-collective would wait here forever.
-        dist.barrier()
     except BaseException:
         errors.put(f"rank {rank}: {traceback.format_exc()}")
+        distributed.release_groups()
+        distributed.shutdown()  # no meeting: a rank whose peer failed mid-collective would wait forever
         raise
-    finally:
-        close_group()
+    distributed.leave()
 
 
 def run_ranks(body: Callable, world: int, *args, backend: str = "gloo") -> None:

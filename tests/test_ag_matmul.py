@@ -25,7 +25,7 @@ import triton.language as tl
 
 from kernels import ag_matmul as ag
 from kernels.symm_mem import SymmMemTimeout
-from tests.multiprocess import GPU_WORLDS, TIMEOUT_TEST_S, run_ranks
+from tests.multiprocess import GPU_WORLDS, TIMEOUT_TEST_S, rank_gpu, run_ranks
 from tests.sm90 import compile_ptx, run_without_interpreter
 
 # ------------------------------------------------------------------------------------ CPU: schedule
@@ -331,7 +331,7 @@ def _poisoned_call(shard, bs, dim):
 
 
 def _correctness(rank: int, world: int) -> None:
-    dev = torch.device("cuda", rank)
+    dev = rank_gpu()
     for shape, dim, ns, kn in GPU_CASES:
         for trial in range(2):
             torch.manual_seed(1000 * trial + 17 * rank + len(ns))
@@ -350,7 +350,7 @@ def _correctness(rank: int, world: int) -> None:
 
 
 def _graphs(rank: int, world: int) -> None:
-    dev = torch.device("cuda", rank)
+    dev = rank_gpu()
     shards = [
         torch.zeros(2, 96, 512, device=dev, dtype=torch.bfloat16),
         torch.zeros(300, 512, device=dev, dtype=torch.bfloat16),
@@ -397,7 +397,7 @@ def _graphs(rank: int, world: int) -> None:
 
 
 def _timeout(rank: int, world: int) -> None:
-    dev = torch.device("cuda", rank)
+    dev = rank_gpu()
     group = dist.new_group(list(range(world)))
     absent = world - 1
     shard = torch.randn(64, 256, device=dev, dtype=torch.bfloat16)

@@ -23,6 +23,7 @@ from kernels.symm_mem import (
     check_peer_access,
     check_single_node,
     describe_status,
+    shares_gpu,
     size_class,
 )
 from tests.multiprocess import run_ranks
@@ -126,9 +127,13 @@ def test_group_across_nodes_fails_clearly() -> None:
         check_single_node([info("a", 0), info("a", 1), info("b", 0), info("b", 1)], rank=0)
 
 
-def test_two_ranks_on_one_gpu_fail() -> None:
-    with pytest.raises(SymmMemError, match="share one GPU"):
-        check_single_node([info("a", 0, "u0"), info("a", 0, "u0")], rank=1)
+def test_ranks_sharing_a_gpu_are_seen() -> None:
+    # One GPU for two ranks passes the one-node check; the buffers are then mapped by CUDA IPC.
+    shared = [info("a", 0, "u0"), info("a", 0, "u0")]
+    check_single_node(shared, rank=1)
+    assert shares_gpu(shared)
+    assert shares_gpu([info("a", 0, "u0"), info("a", 1, "u1"), info("a", 0, "u0")])
+    assert not shares_gpu([info("a", d) for d in range(4)])
 
 
 def test_missing_peer_access_fails_clearly() -> None:

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from kernels import matmul_rs as mrs
 from kernels.symm_mem import SymmMemTimeout
-from tests.multiprocess import GPU_WORLDS, TIMEOUT_TEST_S, run_ranks
+from tests.multiprocess import GPU_WORLDS, TIMEOUT_TEST_S, rank_gpu, run_ranks
 from tests.sm90 import compile_ptx, run_without_interpreter
 
 # ------------------------------------------------------------------------------------ CPU: schedule
@@ -356,7 +356,7 @@ def _poisoned_call(a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _correctness(rank: int, world: int) -> None:
-    dev = torch.device("cuda", rank)
+    dev = rank_gpu()
     for shape, dim, n, kn in GPU_CASES:
         shape = tuple(size * world if i == dim else size for i, size in enumerate(shape))
         for trial in range(2):
@@ -376,7 +376,7 @@ def _correctness(rank: int, world: int) -> None:
 
 
 def _graphs(rank: int, world: int) -> None:
-    dev = torch.device("cuda", rank)
+    dev = rank_gpu()
     inputs = [
         torch.zeros(2, 96 * world, 512, device=dev, dtype=torch.bfloat16),
         torch.zeros(129 * world, 512, device=dev, dtype=torch.bfloat16),
@@ -417,7 +417,7 @@ def _graphs(rank: int, world: int) -> None:
 
 
 def _timeout(rank: int, world: int) -> None:
-    dev = torch.device("cuda", rank)
+    dev = rank_gpu()
     group = dist.new_group(list(range(world)))
     absent = world - 1
     a = torch.randn(64 * world, 256, device=dev, dtype=torch.bfloat16)

@@ -1,9 +1,10 @@
-"""Tensor + sequence parallel on 4 GPUs (NCCL + symmetric memory): on every comm path (torch, symm_mem,
-triton) logits, loss and every gradient of the TP + SP model (bf16 autocast) match the single-GPU model
-at bf16 tolerance, and TP decode (fp32, CUDA graphs) gives the tp=1 tokens (eager, CUDA graph,
-compiled + graph); FSDP2 x TP (dp=2, tp=2) trains.
+"""Tensor + sequence parallel on 4 ranks (4 GPUs, or ranks sharing GPUs, then without symm_mem): on
+every comm path (torch, symm_mem, triton) logits, loss and every gradient of the TP + SP model (bf16
+autocast) match the single-GPU model at bf16 tolerance, and TP decode (fp32, CUDA graphs) gives the
+tp=1 tokens (eager, CUDA graph, compiled + graph); FSDP2 x TP (dp=2, tp=2) trains.
 
     pytest -q tests/test_tp_gpu.py          # on a host with 4 GPUs
+    python -m parallel.shared_gpu --ranks 4 -- python -m pytest -q tests/test_tp_gpu.py   # on one GPU
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import torch.nn.functional as F
 from model.generate import generate
 from parallel.checkpoint import _full
 from parallel.comm import all_gather
+from parallel.distributed import shared_gpu
 from parallel.loss import cross_entropy
 from parallel.mesh import ParallelDims, build_mesh
 from parallel.parallelize import ParallelizeConfig, clip_grad_norm_, parallelize_llama
-from tests.multiprocess import run_ranks
+from tests.multiprocess import rank_gpu, run_ranks
 from tests.test_tp import full_model, small_args
 
 WORLD = 4
@@ -97,8 +99,9 @@ def _fsdp_tp_trains(device: torch.device) -> None:
 
 
 def _worker(rank: int, world: int) -> None:
-    device = torch.device("cuda", rank)
-    for comm in ("torch", "symm_mem", "triton"):
+    device = rank_gpu()
+    # PyTorch's fused ops refuse ranks sharing a GPU (tests/test_shared_gpu.py checks that error).
+    for comm in ("torch", "triton") if shared_gpu() else ("torch", "symm_mem", "triton"):
         _parity(comm, device)
         _decode(comm, device)
     _fsdp_tp_trains(device)
