@@ -80,6 +80,7 @@ from kernels.symm_mem import (
     op_id,
     size_class,
     wait_flag,
+    warn_fallback,
 )
 
 SUPPORTED_WORLD_SIZES = (2, 4, 8)
@@ -583,9 +584,11 @@ def all_gather_matmul_op(
     if world == 1:
         a = a_shard.clone()
         return [a, *(torch.matmul(a, b) for b in bs)]
-    if fallback_reason(a_shard, bs, dim, world) is None:
+    reason = fallback_reason(a_shard, bs, dim, world)
+    if reason is None:
         a, outs = all_gather_matmul_kernel(a_shard, bs, dim, group)
     else:
+        warn_fallback("all_gather_matmul", reason)
         a, outs = all_gather_matmul_reference(a_shard, bs, dim, group)
     return [a, *outs]
 

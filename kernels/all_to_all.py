@@ -71,6 +71,7 @@ from kernels.symm_mem import (
     op_id,
     size_class,
     wait_flag,
+    warn_fallback,
 )
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -539,8 +540,11 @@ def _exchange(xs: list[torch.Tensor], group_name: str, seq_to_heads: bool) -> li
             f"all_to_all (parallel.comm=triton) needs CUDA tensors, got {xs[0].device}: use "
             "parallel.comm=torch (or seq_to_heads_reference / heads_to_seq_reference) on CPU"
         )
-    if world > 1 and fallback_reason(xs, world) is None:
+    reason = fallback_reason(xs, world) if world > 1 else None
+    if world > 1 and reason is None:
         return all_to_all_kernel(xs, group, seq_to_heads)
+    if reason is not None:
+        warn_fallback("seq_to_heads" if seq_to_heads else "heads_to_seq", reason)
     reference = seq_to_heads_reference if seq_to_heads else heads_to_seq_reference
     results = [x.clone() for x in xs] if world == 1 else reference(xs, group)
     # Every path returns the kernel's memory layout, which the fake op promises to torch.compile.

@@ -89,6 +89,7 @@ from kernels.symm_mem import (
     op_id,
     size_class,
     wait_flag,
+    warn_fallback,
 )
 
 SUPPORTED_WORLD_SIZES = (2, 4, 8)
@@ -601,8 +602,10 @@ def matmul_reduce_scatter_op(a: torch.Tensor, b: torch.Tensor, dim: int, group_n
         )
     if world == 1:
         return torch.matmul(a, b)
-    if fallback_reason(a, b, dim, world) is None:
+    reason = fallback_reason(a, b, dim, world)
+    if reason is None:
         return matmul_reduce_scatter_kernel(a, b, dim, group)
+    warn_fallback("matmul_reduce_scatter", reason)
     return matmul_reduce_scatter_reference(a, b, dim, group)
 
 

@@ -83,6 +83,15 @@ class SymmMemTimeout(RuntimeError):
     """A kernel's bounded wait for a peer gave up."""
 
 
+class KernelFallbackWarning(UserWarning):
+    """A comm kernel handed a call to its reference path (a shape or dtype it does not take)."""
+
+
+def warn_fallback(op: str, reason: str) -> None:
+    """Say (once per op and reason) that `op` runs its stock reference path, not weft's kernel."""
+    warnings.warn(f"{op}: {reason}; this call runs the reference path", KernelFallbackWarning, stacklevel=3)
+
+
 # ----------------------------------------------------------------------------------------- host
 
 
