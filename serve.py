@@ -33,7 +33,7 @@ from model.loading import resolve_init_weights, tokenizer_dir
 from model.tokenizer import load_tokenizer
 from parallel import distributed
 from parallel.checkpoint import materialize
-from parallel.mesh import build_mesh, validate_comm_ops, validate_model
+from parallel.mesh import build_mesh, validate_comm_ops, validate_decode_graphs, validate_model
 from parallel.parallelize import ParallelizeConfig, fp8_decode_hooks, parallelize_llama
 from train import resolve_device
 
@@ -166,6 +166,7 @@ def run(cfg: ServeConfig, run_dir: Path) -> None:
     device = resolve_device(cfg.device)
     dims = distributed.validate_parallel(cfg.parallel, distributed.world_size(), device)
     validate_comm_ops(dims, training=False)
+    validate_decode_graphs(dims, cfg.cuda_graphs and device.type == "cuda")
     if dims.cp > 1 or dims.dp > 1:
         raise ValueError(
             f"serve.py decodes one model over all {dims.world} ranks with tensor parallelism: "

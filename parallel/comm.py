@@ -109,6 +109,10 @@ class Comm:
     def reduce_scatter(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return reduce_scatter(x, dim, self.group)
 
+    def decode_all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """The all-gather inside the decode step (vocabulary-sharded logits), captured in its CUDA graph."""
+        return self.all_gather(x, dim)
+
     # The dispatched ops; the base class holds the stock (torch) versions.
     def all_gather_matmul(
         self, a_shard: torch.Tensor, bs: Sequence[torch.Tensor], dim: int
@@ -164,9 +168,9 @@ def _(x: torch.Tensor, group_name: str) -> torch.Tensor:
 
 @torch.library.custom_op("weft::tp_all_gather", mutates_args=())
 def tp_all_gather(x: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    """Registered form of `Comm.all_gather` (ranks' chunks concatenated along `dim`)."""
+    """Registered form of `Comm.decode_all_gather` (ranks' chunks concatenated along `dim`)."""
     comm = _BY_GROUP[group_name]
-    return comm.all_gather(x, dim) if comm.world > 1 else x.clone()
+    return comm.decode_all_gather(x, dim) if comm.world > 1 else x.clone()
 
 
 @tp_all_gather.register_fake
@@ -325,6 +329,16 @@ class TritonComm(Comm):
 
     def all_reduce(self, x):
         return self._kernel("all_reduce")(x, group=self.group)
+
+    def decode_all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Through weft's all-reduce: this rank's chunk in a zeroed [W, ...] tensor, summed (x + 0 is
+        exact). W times the bytes of a gather, a few hundred KiB for decode's logits, in one kernel that
+        CUDA graphs capture on any backend; the stock gather is capturable only on NCCL, which ranks
+        sharing a GPU cannot use."""
+        chunks = x.new_zeros((self.world, *x.shape))
+        chunks[self.rank].copy_(x)
+        dim %= x.dim()
+        return self.all_reduce(chunks).movedim(0, dim).flatten(dim, dim + 1).contiguous()
 
     def seq_to_heads(self, xs):
         return self._kernel("seq_to_heads")(list(xs), group=self.group)

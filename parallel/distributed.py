@@ -39,8 +39,11 @@ def init_process_group(rank: int, world: int, local_rank: int, local_world: int)
         return
     device = torch.device("cuda", gpu_of_rank(local_rank, local_world, gpus))
     torch.cuda.set_device(device)
-    backend = "cpu:gloo,cuda:nccl" if local_world <= gpus else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world, device_id=device)
+    if local_world <= gpus:
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world, device_id=device)
+    else:
+        # No device_id: with it, DeviceMesh splits the group, which fails on gloo (torch 2.11).
+        dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
 def shared_gpu() -> bool:

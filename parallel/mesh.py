@@ -118,6 +118,16 @@ def validate_device(dims: ParallelDims, device: torch.device) -> None:
         )
 
 
+def validate_decode_graphs(dims: ParallelDims, cuda_graphs: bool) -> None:
+    """A CUDA graph of the decode step captures its collectives: NCCL's or weft's kernels, not gloo's,
+    which is what the stock path has when ranks share a GPU."""
+    if cuda_graphs and dims.tp > 1 and dims.comm == "torch" and shared_gpu():
+        raise ValueError(
+            "cuda_graphs=true with ranks sharing a GPU needs parallel.comm=triton: the stock collectives "
+            "run on gloo there, which CUDA graphs cannot capture (or set cuda_graphs=false)"
+        )
+
+
 def validate_comm_ops(dims: ParallelDims, training: bool) -> None:
     """The comm path must implement every op the layout calls (triton: its kernels must exist):
     training with tp > 1 calls AG-matmul and matmul-RS, decode with tp > 1 the all-reduce, Ulysses

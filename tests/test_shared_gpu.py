@@ -9,7 +9,7 @@ import torch
 
 from parallel import distributed, mesh
 from parallel.distributed import gpu_of_rank
-from parallel.mesh import ParallelDims, validate_device
+from parallel.mesh import ParallelDims, validate_decode_graphs, validate_device
 from parallel.shared_gpu import check_layout, command_for, main, sm_percentage
 
 
@@ -62,3 +62,17 @@ def test_symm_mem_path_refuses_ranks_sharing_a_gpu(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match=r"symm_mem cannot run with ranks sharing a GPU.*comm=triton"):
         validate_device(dims, torch.device("cuda", 0))
     validate_device(ParallelDims(dp=1, cp=1, tp=2, comm="triton"), torch.device("cuda", 0))
+
+
+def test_graphed_decode_on_the_stock_path_refuses_ranks_sharing_a_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    torch_path = ParallelDims(dp=1, cp=1, tp=2, comm="torch")
+    with pytest.raises(
+        ValueError, match=r"cuda_graphs=true with ranks sharing a GPU needs parallel\.comm=triton"
+    ):
+        validate_decode_graphs(torch_path, cuda_graphs=True)
+    validate_decode_graphs(torch_path, cuda_graphs=False)
+    validate_decode_graphs(ParallelDims(dp=1, cp=1, tp=2, comm="triton"), cuda_graphs=True)
