@@ -158,9 +158,16 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * (scale if scale.numel() == 1 else scale.unsqueeze(-1))
 
 
-def quantize_weight_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A linear weight [N, K] -> e4m3 [N, K] and fp32 scales [N], one per output channel."""
-    return quantize_reference(weight)
+def quantize_weight_per_channel(
+    weight: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A linear weight [N, K] -> e4m3 [N, K] and fp32 scales [N], one per output channel. `amax` [N]:
+    the channels' largest magnitudes over the full weight when `weight` is a shard of its K (row
+    parallelism), so that the shards quantize as the unsplit weight does."""
+    if amax is None:
+        return quantize_reference(weight)
+    scale = (amax.float().clamp(min=MIN_SCALE * FP8_MAX) / FP8_MAX).float()
+    return (weight.float() / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 @triton.jit

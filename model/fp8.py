@@ -11,8 +11,10 @@ Activations get one scale per token, computed inside the norm and SwiGLU kernels
 that read the same input are fused into one weight, so each reads its input once and launches once.
 
 A tensor-parallel model (parallel/ planned it; each rank holds its shards) converts the same way, given
-two hooks from parallel/ (`fp8_decode_hooks`): `reduce` sums the partial outputs of the row-parallel wo
-and w2 over the ranks, `gather_logits` joins the vocabulary shards of the output projection.
+three hooks from parallel/ (`fp8_decode_hooks`): `reduce` sums the partial outputs of the row-parallel wo
+and w2 over the ranks, `gather_logits` joins the vocabulary shards of the output projection, and
+`channel_amax` takes the largest magnitude of each output channel over the row-parallel shards, so
+that they carry the scales (and e4m3 values) of the unsplit weights.
 """
 
 from __future__ import annotations
@@ -37,20 +39,22 @@ def check_fp8_device(device: torch.device) -> None:
         raise ValueError(f"{torch.cuda.get_device_name(device)} has no FP8 tensor cores: use model.fp8=false")
 
 
+Hook = Callable[[torch.Tensor], torch.Tensor]
+
+
 class Fp8Weight(nn.Module):
     """One or more linear weights [N_i, K] concatenated and quantized: e4m3 [sum N_i, K] + fp32 [sum N_i]."""
 
-    def __init__(self, *weights: torch.Tensor) -> None:
+    def __init__(self, *weights: torch.Tensor, full_amax: Hook | None = None) -> None:
         super().__init__()
-        q, scale = quantize_weight_per_channel(torch.cat([w.detach() for w in weights]))
+        weight = torch.cat([w.detach() for w in weights])
+        amax = None if full_amax is None else full_amax(weight.float().abs().amax(dim=-1))
+        q, scale = quantize_weight_per_channel(weight, amax)
         self.register_buffer("weight", q)
         self.register_buffer("scale", scale)
 
     def forward(self, x_fp8: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
         return fp8_gemm(x_fp8, x_scale, self.weight, self.scale)
-
-
-Hook = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -96,7 +100,9 @@ class Fp8FinalNorm(nn.Module):
 class Fp8Block(nn.Module):
     """A TransformerBlock's weights in FP8, its forward on the fused kernels (module docstring)."""
 
-    def __init__(self, block: TransformerBlock, reduce: Hook = _identity) -> None:
+    def __init__(
+        self, block: TransformerBlock, reduce: Hook = _identity, channel_amax: Hook | None = None
+    ) -> None:
         super().__init__()
         # Sums the outputs of wo and w2 over the ranks when they are row-parallel shards.
         self.reduce = reduce
@@ -104,9 +110,9 @@ class Fp8Block(nn.Module):
         self.attention = attn  # rotary embeddings, KV cache and attention function stay as they are
         self.qkv = Fp8Weight(attn.wq.weight, attn.wk.weight, attn.wv.weight)
         self.qkv_sizes = [attn.wq.weight.shape[0], attn.wk.weight.shape[0], attn.wv.weight.shape[0]]
-        self.wo = Fp8Weight(attn.wo.weight)
+        self.wo = Fp8Weight(attn.wo.weight, full_amax=channel_amax)
         self.w13 = Fp8Weight(ffn.w1.weight, ffn.w3.weight)
-        self.w2 = Fp8Weight(ffn.w2.weight)
+        self.w2 = Fp8Weight(ffn.w2.weight, full_amax=channel_amax)
         self.attention_norm, self.ffn_norm = block.attention_norm, block.ffn_norm
         del attn.wq, attn.wk, attn.wv, attn.wo  # the bf16 copies are no longer needed
 
@@ -137,11 +143,16 @@ class Fp8Block(nn.Module):
 
 
 @torch.no_grad()
-def convert_to_fp8(model: Llama, reduce: Hook = _identity, gather_logits: Hook = _identity) -> Llama:
+def convert_to_fp8(
+    model: Llama,
+    reduce: Hook = _identity,
+    gather_logits: Hook = _identity,
+    channel_amax: Hook | None = None,
+) -> Llama:
     """Quantize the model's linear layers in place for FP8 decoding (the embedding stays bf16); the
     hooks are a tensor-parallel model's (module docstring)."""
     for i, block in enumerate(model.layers):
-        model.layers[i] = Fp8Block(block, reduce)
+        model.layers[i] = Fp8Block(block, reduce, channel_amax)
     model.norm = Fp8FinalNorm(model.norm)
     model.output = Fp8Linear(model.output.weight, gather_logits)  # the embedding's weight when tied
     if model.tok_embeddings.weight.is_cuda:

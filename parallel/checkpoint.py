@@ -1,7 +1,7 @@
 """Checkpoints of a parallelized model in weft's one layout-free format.
 
 Saving gathers every tensor to its full (tp = 1, unsharded) shape: FSDP shards with
-DTensor.full_tensor(), tensor-parallel shards with an all-gather over tp along the dimension the plan
+an all-gather over dp, tensor-parallel shards with an all-gather over tp along the dimension the plan
 recorded. A checkpoint written at tp = 2 is therefore byte-for-byte the kind written at tp = 1 and
 loads at any tp; so do Hugging Face directories. Loading reads the full tensors on every rank and
 keeps each rank's slice (simple and correct; it needs host memory for one full copy per rank, and a
@@ -26,9 +26,26 @@ def _state(model: nn.Module):
     return getattr(model, "parallel", None)
 
 
+def _unshard(t: torch.Tensor) -> torch.Tensor:
+    """An FSDP DTensor at its full shape. FSDP2's layout (Shard(0) over a 1-D mesh, torch.chunk sizes,
+    so only the last shards can be short) is gathered with the plain collectives: DTensor.full_tensor()
+    runs functional collectives, which crash on gloo with CUDA tensors (torch 2.11), the backend of
+    ranks sharing a GPU."""
+    from torch.distributed.tensor import Shard
+
+    if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
+        return t.full_tensor()
+    group = t.device_mesh.get_group()
+    local = t.to_local()
+    rows = -(-t.shape[0] // dist.get_world_size(group))
+    padded = local.new_zeros((rows, *local.shape[1:]))
+    padded[: local.shape[0]].copy_(local)
+    return all_gather(padded, 0, group)[: t.shape[0]]
+
+
 def _full(t: torch.Tensor, name: str, state) -> torch.Tensor:
     if hasattr(t, "full_tensor"):
-        t = t.full_tensor()
+        t = _unshard(t)
     if state is not None and name in state.tp_shard_dims and state.tp_group is not None:
         t = all_gather(t.contiguous(), state.tp_shard_dims[name], state.tp_group)
     return t.detach()
