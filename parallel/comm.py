@@ -42,11 +42,13 @@ class CommUnavailable(RuntimeError):
 
 
 def all_gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """Concatenate every rank's `x` along `dim`, in rank order."""
+    """Concatenate every rank's `x` along `dim`, in rank order (no gradient flows through it)."""
     world = dist.get_world_size(group)
     if world == 1:
         return x
-    x = x.contiguous()
+    # Detached: gloo stages CUDA tensors through the host and copies them back in place, which autograd
+    # refuses for an input that requires grad.
+    x = x.detach().contiguous()
     # Rank-major [W * x.shape[0], ...] (the collectives' layout), then [..., W * n, ...].
     out = torch.empty((world * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     _all_gather_single(out, x, group=group)
