@@ -3,7 +3,7 @@ report a user's mistake as one line.
 
 A user error is a bad value, key, preset, file or layout: a ValueError raised with a message that says
 what to change (weft's convention), a missing file, or one of Hydra's config errors. It prints as one
-line on stderr, from rank 0 only, and exits with status 1; HYDRA_FULL_ERROR=1 shows its traceback
+line on stderr, once for all ranks, and exits with status 1; HYDRA_FULL_ERROR=1 shows its traceback
 instead. Any other exception is a bug and keeps its traceback.
 """
 
@@ -66,7 +66,6 @@ def launch(main: Callable[[], None]) -> None:
     sys.argv += distributed.hydra_overrides_for_rank()
     show_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra then raises its config errors here instead of printing them
-    is_rank0 = distributed.rank() == 0
     try:
         main()
     except UserError as err:
@@ -79,9 +78,9 @@ def launch(main: Callable[[], None]) -> None:
     else:
         distributed.leave()
         return
-    distributed.shutdown()
     if show_traceback:
+        distributed.shutdown()
         raise error
-    if is_rank0:
-        print(one_line(error), file=sys.stderr)
+    distributed.print_error_once(one_line(error))
+    distributed.shutdown()
     raise SystemExit(1)
