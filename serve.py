@@ -54,6 +54,10 @@ def build_model(
     `mesh` whose tp > 1 it is tensor-parallel for decode over `comm` (no sequence parallelism; row-parallel
     outputs all-reduced, full logits gathered for sampling), planned on the meta device so that each
     rank only ever materialises its slice (a 70B model fits in 8 GPUs' memory this way)."""
+    if args.fp8:
+        check_fp8_device(device)
+        if dtype != torch.bfloat16:
+            raise ValueError(f"model.fp8=true computes in bfloat16: use dtype=bfloat16, not {dtype}")
     with torch.device("meta"):
         model = Llama(args)
     if mesh is not None:
@@ -63,9 +67,6 @@ def build_model(
     # the init rebuilds the rotary table in fp32.
     materialize(model, device, checkpoint, dtype)
     if args.fp8:
-        check_fp8_device(device)
-        if dtype != torch.bfloat16:
-            raise ValueError(f"model.fp8=true computes in bfloat16: use dtype=bfloat16, not {dtype}")
         convert_to_fp8(model, **fp8_decode_hooks(model))
     return model.eval()
 

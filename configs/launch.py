@@ -2,7 +2,8 @@
 report a user's mistake as one line.
 
 A user error is a bad value, key, preset, file or layout: a ValueError raised with a message that says
-what to change (weft's convention), a missing file, or one of Hydra's config errors. It prints as one
+what to change (weft's convention), a missing file, a comm path that cannot run here, or one of
+Hydra's config errors. It prints as one
 line on stderr, once for all ranks, and exits with status 1; HYDRA_FULL_ERROR=1 shows its traceback
 instead. Any other exception is a bug and keeps its traceback.
 """
@@ -21,8 +22,9 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBase
 from configs.schema import register_configs, register_resolvers
 from configs.validate import unknown_key_message
 from parallel import distributed
+from parallel.comm import CommUnavailable
 
-USER_ERRORS = (ValueError, FileNotFoundError, HydraException, OmegaConfBaseException)
+USER_ERRORS = (ValueError, FileNotFoundError, CommUnavailable, HydraException, OmegaConfBaseException)
 
 
 class UserError(BaseException):

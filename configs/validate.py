@@ -53,6 +53,11 @@ def one_of(key: str, value: str, choices: tuple[str, ...]) -> tuple[bool, str]:
     return value in choices, f"{key}={value!r} is not one of {', '.join(choices)}"
 
 
+def path_or_null(key: str, value: str | None) -> tuple[bool, str]:
+    # An empty value (`key=`) would name the current directory.
+    return value is None or bool(value.strip()), f"{key} is empty: give a path, or null"
+
+
 def raise_first_failure(checks: list[tuple[bool, str]]) -> None:
     for ok, message in checks:
         if not ok:
@@ -81,7 +86,9 @@ def validate_train_config(cfg: TrainConfig) -> None:
             f"training.stop_at={t.stop_at} must be between 1 and training.steps={t.steps} (or null)",
         ),
         one_of("training.dtype", t.dtype, TRAIN_DTYPES),
+        path_or_null("data.path", cfg.data.path),
         (bool(cfg.data.jsonl_field), "data.jsonl_field must name the field holding each line's text"),
+        path_or_null("checkpoint.init_from", ckpt.init_from),
         at_least("checkpoint.every", ckpt.every, 0),
         at_least("checkpoint.keep", ckpt.keep, 1),
         at_least("logging.every", cfg.logging.every, 1),
@@ -94,6 +101,7 @@ def validate_serve_config(cfg: ServeConfig) -> None:
     check_keys(cfg)
     checks = [
         one_of("mode", cfg.mode, SERVE_MODES),
+        path_or_null("checkpoint", cfg.checkpoint),
         at_least("max_new_tokens", cfg.max_new_tokens, 1),
         (
             cfg.temperature >= 0 and math.isfinite(cfg.temperature),

@@ -83,6 +83,8 @@ def test_config_errors_name_the_valid_choices(overrides: list[str], message: str
         ("training.stop_at=301", "training.stop_at=301 must be between 1 and training.steps=300 (or null)"),
         ("training.dtype=float16", "training.dtype='float16' is not one of bfloat16, float32"),
         ("data.jsonl_field=", "data.jsonl_field must name the field holding each line's text"),
+        ("data.path=", "data.path is empty: give a path, or null"),
+        ("checkpoint.init_from=", "checkpoint.init_from is empty: give a path, or null"),
         ("checkpoint.every=-1", "checkpoint.every=-1 must be >= 0"),
         ("checkpoint.keep=0", "checkpoint.keep=0 must be >= 1"),
         ("logging.every=0", "logging.every=0 must be >= 1"),
@@ -96,6 +98,7 @@ def test_train_values_are_checked(override: str, message: str) -> None:
     ("override", "message"),
     [
         ("mode=chat", "mode='chat' is not one of bench, generate"),
+        ("checkpoint=", "checkpoint is empty: give a path, or null"),
         ("max_new_tokens=0", "max_new_tokens=0 must be >= 1"),
         ("max_new_tokens=-1", "max_new_tokens=-1 must be >= 1"),
         ("temperature=-0.5", "temperature=-0.5 must be >= 0 (0 is greedy decoding)"),
