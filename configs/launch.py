@@ -3,9 +3,8 @@ report a user's mistake as one line.
 
 A user error is a bad value, key, preset, file or layout: a ValueError raised with a message that says
 what to change (weft's convention), a missing file, a comm path that cannot run here, or one of
-Hydra's config errors. It prints as one
-line on stderr, once for all ranks, and exits with status 1; HYDRA_FULL_ERROR=1 shows its traceback
-instead. Any other exception is a bug and keeps its traceback.
+Hydra's config errors. It prints as one line on stderr, once for all ranks, and exits with status 1;
+HYDRA_FULL_ERROR=1 shows its traceback instead. Any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ class MemoryEstimate:
 def block_activation_elements(args: ModelArgs) -> int:
     """Elements one transformer block saves for its backward, per token: the norms' inputs and outputs,
     q/k/v before and after the rotary embedding, the attention output, the residuals, and the MLP's
-    w1 and w3 outputs, their SwiGLU product and w2's output (measured against the tensors autograd saves
-    in tests/test_memory.py)."""
+    w1 and w3 outputs, their SwiGLU product and w2's output (tests/test_memory.py holds it against the
+    tensors autograd saves)."""
     kv_dim = args.n_kv_heads * args.head_dim
     return 10 * args.dim + 3 * kv_dim + 4 * args.ffn_hidden
 
