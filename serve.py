@@ -23,13 +23,15 @@ from omegaconf import OmegaConf
 from torch.distributed.device_mesh import DeviceMesh
 
 from benchmarks.common import environment, markdown_table
-from configs.launch import launch
+from configs.launch import launch, user_errors
 from configs.schema import ServeConfig
+from configs.validate import SERVE_DTYPES, validate_serve_config
 from model.args import ModelArgs
 from model.fp8 import check_fp8_device, convert_to_fp8
 from model.generate import DecodeStep, generate, prefill
 from model.llama import Llama
 from model.loading import resolve_init_weights, tokenizer_dir
+from model.memory import check_serving_fits
 from model.tokenizer import load_tokenizer
 from parallel import distributed
 from parallel.checkpoint import materialize
@@ -37,7 +39,7 @@ from parallel.mesh import build_mesh, validate_comm_ops, validate_decode_graphs,
 from parallel.parallelize import ParallelizeConfig, fp8_decode_hooks, parallelize_llama
 from train import resolve_device
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = {name: getattr(torch, name) for name in SERVE_DTYPES}
 
 
 def build_model(
@@ -52,6 +54,10 @@ def build_model(
     `mesh` whose tp > 1 it is tensor-parallel for decode over `comm` (no sequence parallelism; row-parallel
     outputs all-reduced, full logits gathered for sampling), planned on the meta device so that each
     rank only ever materialises its slice (a 70B model fits in 8 GPUs' memory this way)."""
+    if args.fp8:
+        check_fp8_device(device)
+        if dtype != torch.bfloat16:
+            raise ValueError(f"model.fp8=true computes in bfloat16: use dtype=bfloat16, not {dtype}")
     with torch.device("meta"):
         model = Llama(args)
     if mesh is not None:
@@ -61,9 +67,6 @@ def build_model(
     # the init rebuilds the rotary table in fp32.
     materialize(model, device, checkpoint, dtype)
     if args.fp8:
-        check_fp8_device(device)
-        if dtype != torch.bfloat16:
-            raise ValueError(f"model.fp8=true computes in bfloat16: use dtype=bfloat16, not {dtype}")
         convert_to_fp8(model, **fp8_decode_hooks(model))
     return model.eval()
 
@@ -163,6 +166,7 @@ def benchmark_decode(
 
 
 def run(cfg: ServeConfig, run_dir: Path) -> None:
+    validate_serve_config(cfg)
     device = resolve_device(cfg.device)
     dims = distributed.validate_parallel(cfg.parallel, distributed.world_size(), device)
     validate_comm_ops(dims, training=False)
@@ -172,14 +176,21 @@ def run(cfg: ServeConfig, run_dir: Path) -> None:
             f"serve.py decodes one model over all {dims.world} ranks with tensor parallelism: "
             f"set parallel.tp={dims.world} parallel.cp=1"
         )
-    if cfg.dtype not in DTYPES:
-        raise ValueError(f"dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
     dtype = DTYPES[cfg.dtype]
-    if cfg.mode not in ("bench", "generate"):
-        raise ValueError(f"mode={cfg.mode!r} is not one of bench, generate")
     torch.manual_seed(cfg.seed)
     checkpoint, args = resolve_init_weights(cfg.checkpoint, OmegaConf.to_object(cfg.model))
     validate_model(dims, args, training=False)
+    if cfg.mode == "bench":
+        if cfg.prompt_len + cfg.decode_steps > args.max_seq_len:
+            raise ValueError(
+                f"prompt_len + decode_steps = {cfg.prompt_len + cfg.decode_steps} exceeds model.max_seq_len="
+                f"{args.max_seq_len}: lower them"
+            )
+        batch, prompt_len, cache_len = cfg.batch_size, cfg.prompt_len, cfg.prompt_len + cfg.decode_steps
+    else:  # (a prompt holds at most one token per byte, and BOS)
+        batch, prompt_len = 1, min(args.max_seq_len, len(cfg.prompt.encode()) + 1)
+        cache_len = min(args.max_seq_len, prompt_len + cfg.max_new_tokens)
+    check_serving_fits(args, dims.tp, cfg.dtype, batch, prompt_len, cache_len, device)
     mesh = build_mesh(dims, device.type) if dims.tp > 1 else None
     model = build_model(args, checkpoint, device, dtype, mesh, dims.comm)
     is_main = distributed.rank() == 0
@@ -207,11 +218,6 @@ def run(cfg: ServeConfig, run_dir: Path) -> None:
             print(cfg.prompt + tokenizer.decode(new[0].tolist()))
         return
 
-    if cfg.prompt_len + cfg.decode_steps > args.max_seq_len:
-        raise ValueError(
-            f"prompt_len + decode_steps = {cfg.prompt_len + cfg.decode_steps} exceeds model.max_seq_len="
-            f"{args.max_seq_len}: lower them"
-        )
     row = benchmark_decode(
         model, cfg.batch_size, cfg.prompt_len, cfg.decode_steps, cfg.cuda_graphs, device, cfg.compile
     )
@@ -224,7 +230,8 @@ def run(cfg: ServeConfig, run_dir: Path) -> None:
 
 @hydra.main(version_base=None, config_path="configs", config_name="serve")
 def main(cfg: ServeConfig) -> None:
-    run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    with user_errors():
+        run(cfg, Path(HydraConfig.get().runtime.output_dir))
 
 
 if __name__ == "__main__":

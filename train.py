@@ -24,14 +24,16 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from configs.launch import launch
+from configs.launch import launch, user_errors
 from configs.schema import TrainConfig
+from configs.validate import validate_train_config
 from model.args import ModelArgs
 from model.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from model.data import build_dataset, load_documents
 from model.hf import export_hf
 from model.llama import Llama
 from model.loading import resolve_init_weights, tokenizer_dir
+from model.memory import check_training_fits
 from model.tokenizer import load_tokenizer, save_tokenizer
 from parallel import distributed
 from parallel.checkpoint import (
@@ -156,14 +158,13 @@ def train_step(
 
 
 def run(cfg: TrainConfig, run_dir: Path) -> None:
+    validate_train_config(cfg)
     device = resolve_device(cfg.device)
     args: ModelArgs = OmegaConf.to_object(cfg.model)
     t = cfg.training
     world, rank = distributed.world_size(), distributed.rank()
     dims = distributed.validate_parallel(cfg.parallel, world, device)
     validate_comm_ops(dims, training=True)
-    if t.steps <= 0 or t.batch_size <= 0 or t.grad_accum <= 0:
-        raise ValueError("training.steps, training.batch_size and training.grad_accum must be > 0")
     if t.seq_len > args.max_seq_len:
         raise ValueError(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={args.max_seq_len}")
     torch.manual_seed(t.seed)
@@ -172,7 +173,9 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
     validate_model(dims, args, seq_len=t.seq_len)
     # Tensor / context parallel (or FSDP asked for): the (dp, cp, tp) mesh and parallelize_llama.
     # Otherwise every rank holds the whole model and DDP averages gradients, as before.
-    mesh = build_mesh(dims, device.type) if dims.model_parallel or (world > 1 and cfg.parallel.fsdp) else None
+    sharded = dims.model_parallel or (world > 1 and cfg.parallel.fsdp)
+    check_training_fits(args, dims, t, sharded, device)
+    mesh = build_mesh(dims, device.type) if sharded else None
     dp_rank = mesh["dp"].get_local_rank() if mesh is not None else rank
     dp_size = dims.dp if mesh is not None else world
     cp_chunk = None
@@ -322,7 +325,8 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
 
 @hydra.main(version_base=None, config_path="configs", config_name="train")
 def main(cfg: TrainConfig) -> None:
-    run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    with user_errors():
+        run(cfg, Path(HydraConfig.get().runtime.output_dir))
 
 
 if __name__ == "__main__":

@@ -1,12 +1,61 @@
-"""Start a Hydra entry point (train.py, serve.py) the same way on one process or under torchrun."""
+"""Start a Hydra entry point (train.py, serve.py) the same way on one process or under torchrun, and
+report a user's mistake as one line.
+
+A user error is a bad value, key, preset, file or layout: a ValueError raised with a message that says
+what to change (weft's convention), a missing file, a comm path that cannot run here, or one of
+Hydra's config errors. It prints as one line on stderr, once for all ranks, and exits with status 1;
+HYDRA_FULL_ERROR=1 shows its traceback instead. Any other exception is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import is_dataclass
+
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from configs.schema import register_configs, register_resolvers
+from configs.validate import unknown_key_message
 from parallel import distributed
+from parallel.comm import CommUnavailable
+
+USER_ERRORS = (ValueError, FileNotFoundError, CommUnavailable, HydraException, OmegaConfBaseException)
+
+
+class UserError(BaseException):
+    """A user error on its way out of a Hydra task function. Being no `Exception`, it passes Hydra's
+    job runner, which would print 'Error executing job ...' before the traceback."""
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """The body of train.py's and serve.py's Hydra task function runs inside this."""
+    try:
+        yield
+    except USER_ERRORS as err:
+        raise UserError(err) from err
+
+
+def one_line(err: BaseException) -> str:
+    """The message of a user error on one line (Hydra's and OmegaConf's span several)."""
+    first = str(err).strip().split("\n")[0].strip()
+    cause = err.__cause__
+    if isinstance(cause, (ConfigKeyError, ConfigAttributeError)) and is_dataclass(cause.object_type):
+        return unknown_key_message(cause.full_key, cause.object_type)
+    if isinstance(err, MissingConfigException) and err.options:
+        group = err.missing_cfg_file.rpartition("/")[0]
+        return f"{first}; the choices for {group} are {', '.join(err.options)}"
+    if isinstance(err, OverrideParseException):
+        return f"cannot parse an override: {first}"
+    if isinstance(err, HydraException) and isinstance(cause, OmegaConfBaseException):
+        return f"{first}: {str(cause.msg).split(chr(10))[0]}"
+    if isinstance(err, OmegaConfBaseException):
+        return str(err.msg).split("\n")[0]
+    return first
 
 
 def launch(main: Callable[[], None]) -> None:
@@ -16,9 +65,23 @@ def launch(main: Callable[[], None]) -> None:
     register_configs()
     register_resolvers()
     sys.argv += distributed.hydra_overrides_for_rank()
+    show_traceback = os.environ.get("HYDRA_FULL_ERROR") == "1"
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra then raises its config errors here instead of printing them
     try:
         main()
+    except UserError as err:
+        error = err.__cause__
+    except USER_ERRORS as err:  # Hydra's config errors, raised before the task function runs
+        error = err
     except BaseException:
         distributed.shutdown()  # no meeting: the peers may never get there
         raise
-    distributed.leave()
+    else:
+        distributed.leave()
+        return
+    if show_traceback:
+        distributed.shutdown()
+        raise error
+    distributed.print_error_once(one_line(error))
+    distributed.shutdown()
+    raise SystemExit(1)

@@ -123,12 +123,12 @@ class ServeConfig:
 
 
 def register_configs() -> None:
-    """Register the schemas; the YAML presets in configs/ extend them by name."""
+    """Register the two top-level schemas (train.yaml and serve.yaml start from them). Their typed `model`
+    and `parallel` fields type the presets merged into them, so the schemas stay out of the preset
+    groups (where `model=model_schema` would be offered as a model)."""
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=TrainConfig)
     cs.store(name="serve_schema", node=ServeConfig)
-    cs.store(group="model", name="model_schema", node=ModelArgs)
-    cs.store(group="parallel", name="parallel_schema", node=ParallelConfig)
 
 
 def register_resolvers() -> None:

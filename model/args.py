@@ -46,11 +46,11 @@ class ModelArgs:
 
     def validate(self) -> None:
         """Raise a one-line ValueError naming the field to change when the shape is inconsistent."""
+        sizes = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_hidden", "max_seq_len")
+        for name in sizes:  # first: the divisibility checks below divide by them
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model.{name}={getattr(self, name)} must be > 0")
         checks = [
-            (
-                self.dim > 0 and self.n_layers > 0 and self.vocab_size > 0,
-                "dim, n_layers and vocab_size must be > 0",
-            ),
             (
                 self.dim % self.n_heads == 0,
                 f"model.dim={self.dim} must be divisible by model.n_heads={self.n_heads}",
@@ -60,11 +60,12 @@ class ModelArgs:
                 f"head dim {self.head_dim} (dim / n_heads) must be even for rotary embeddings",
             ),
             (
-                self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads == 0,
+                self.n_heads % self.n_kv_heads == 0,
                 f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}",
             ),
-            (self.ffn_hidden > 0, "model.ffn_hidden must be > 0"),
-            (self.max_seq_len > 0, "model.max_seq_len must be > 0"),
+            (self.norm_eps > 0, f"model.norm_eps={self.norm_eps} must be > 0"),
+            (self.rope_theta > 0, f"model.rope_theta={self.rope_theta} must be > 0"),
+            (self.init_std > 0, f"model.init_std={self.init_std} must be > 0"),
         ]
         for ok, message in checks:
             if not ok:

@@ -113,6 +113,25 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def print_error_once(message: str, wait_s: float = 10.0) -> None:
+    """Print a user error to stderr once for all ranks, before leaving the group. Every rank usually meets
+    the same error at the same point: rank 0 prints it and says so in the group's store, and the others
+    wait for that word before exiting (torchrun stops the ranks left once one exits, rank 0 included).
+    A rank that hears nothing within `wait_s` met an error of its own and prints it, naming itself."""
+    if not dist.is_initialized():
+        print(message, file=sys.stderr, flush=True)
+        return
+    store = dist.distributed_c10d._get_default_store()
+    if rank() == 0:
+        print(message, file=sys.stderr, flush=True)
+        store.set("weft_error_printed", "1")
+        return
+    try:
+        store.wait(["weft_error_printed"], dt.timedelta(seconds=wait_s))
+    except dist.DistStoreError:
+        print(f"[rank {rank()}] {message}", file=sys.stderr, flush=True)
+
+
 def validate_parallel(parallel, world: int, device: torch.device):
     """Fail before any work when the parallel layout cannot run on this world and device; returns
     the layout (parallel/mesh.py's ParallelDims: dp inferred). The model's shape is checked by

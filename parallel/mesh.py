@@ -51,11 +51,12 @@ def parallel_dims(parallel, world: int) -> ParallelDims:
 
 
 def validate_model(dims: ParallelDims, args, seq_len: int | None = None, training: bool = True) -> None:
-    """Raise a one-line ValueError when the model's shape cannot be split this way.
+    """Raise a one-line ValueError when the model's shape is inconsistent or cannot be split this way.
 
     tp splits query heads, key/value heads, the MLP hidden size and the vocabulary; sequence
     parallelism (training) splits the sequence over tp * cp. Ulysses (cp) then splits each tp rank's
     heads again (key/value heads may instead be replicated when there are fewer than cp of them)."""
+    args.validate()
     tp, cp = dims.tp, dims.cp
     checks = [
         (args.n_heads % tp == 0, f"model.n_heads={args.n_heads} is not divisible by parallel.tp={tp}"),

@@ -1,0 +1,117 @@
+"""Checks of what a user sets in train.py's and serve.py's configs, run before any model is built.
+
+Every key must be one its schema declares (Hydra's `+key=value` would add any other silently), and every
+count, length, rate and choice must be in range. A failure is a one-line ValueError that names the key
+and what to set it to; configs/launch.py prints it as one line.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import fields, is_dataclass
+
+from omegaconf import DictConfig, OmegaConf
+
+from configs.schema import ServeConfig, TrainConfig
+
+TRAIN_DTYPES = ("bfloat16", "float32")
+SERVE_DTYPES = ("bfloat16", "float16", "float32")
+SERVE_MODES = ("bench", "generate")
+MAX_SEED = 2**32 - 1
+
+
+def unknown_key_message(full_key: str, schema: type) -> str:
+    """'unknown key training.stepz: training's keys are steps, batch_size, ...' (used for Hydra's own
+    unknown-key errors too, so both read alike)."""
+    group = full_key.rpartition(".")[0]
+    owner = f"{group}'s keys" if group else "the top-level keys"
+    return f"unknown key {full_key}: {owner} are {', '.join(f.name for f in fields(schema))}"
+
+
+def check_keys(cfg: DictConfig, prefix: str = "") -> None:
+    """Raise for a key that the typed group holding it does not declare."""
+    schema = OmegaConf.get_type(cfg)
+    declared = {f.name for f in fields(schema)} if is_dataclass(schema) else None
+    for key in cfg:
+        if declared is not None and key not in declared:
+            raise ValueError(unknown_key_message(f"{prefix}{key}", schema))
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig) and not node._is_none() and not node._is_missing():
+            check_keys(node, f"{prefix}{key}.")
+
+
+def at_least(key: str, value: float, low: float) -> tuple[bool, str]:
+    return value >= low, f"{key}={value} must be >= {low}"
+
+
+def between(key: str, value: float, low: float, high: float, high_open: bool = False) -> tuple[bool, str]:
+    ok = low <= value < high if high_open else low <= value <= high
+    return ok, f"{key}={value} must be in [{low}, {high}{')' if high_open else ']'}"
+
+
+def one_of(key: str, value: str, choices: tuple[str, ...]) -> tuple[bool, str]:
+    return value in choices, f"{key}={value!r} is not one of {', '.join(choices)}"
+
+
+def path_or_null(key: str, value: str | None) -> tuple[bool, str]:
+    # An empty value (`key=`) would name the current directory.
+    return value is None or bool(value.strip()), f"{key} is empty: give a path, or null"
+
+
+def raise_first_failure(checks: list[tuple[bool, str]]) -> None:
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+
+
+def validate_train_config(cfg: TrainConfig) -> None:
+    """train.py's keys and values (the model's shape is checked once a checkpoint may have set it)."""
+    check_keys(cfg)
+    t, ckpt = cfg.training, cfg.checkpoint
+    checks = [
+        at_least("training.steps", t.steps, 1),
+        at_least("training.batch_size", t.batch_size, 1),
+        at_least("training.seq_len", t.seq_len, 1),
+        at_least("training.grad_accum", t.grad_accum, 1),
+        (t.lr > 0 and math.isfinite(t.lr), f"training.lr={t.lr} must be a positive number"),
+        between("training.min_lr_ratio", t.min_lr_ratio, 0, 1),
+        at_least("training.warmup_steps", t.warmup_steps, 0),
+        at_least("training.weight_decay", t.weight_decay, 0),
+        between("training.beta1", t.beta1, 0, 1, high_open=True),
+        between("training.beta2", t.beta2, 0, 1, high_open=True),
+        at_least("training.grad_clip", t.grad_clip, 0),
+        between("training.seed", t.seed, 0, MAX_SEED),
+        (
+            t.stop_at is None or 1 <= t.stop_at <= t.steps,
+            f"training.stop_at={t.stop_at} must be between 1 and training.steps={t.steps} (or null)",
+        ),
+        one_of("training.dtype", t.dtype, TRAIN_DTYPES),
+        path_or_null("data.path", cfg.data.path),
+        (bool(cfg.data.jsonl_field), "data.jsonl_field must name the field holding each line's text"),
+        path_or_null("checkpoint.init_from", ckpt.init_from),
+        at_least("checkpoint.every", ckpt.every, 0),
+        at_least("checkpoint.keep", ckpt.keep, 1),
+        at_least("logging.every", cfg.logging.every, 1),
+    ]
+    raise_first_failure(checks)
+
+
+def validate_serve_config(cfg: ServeConfig) -> None:
+    """serve.py's keys and values (lengths against the model's are checked once its shape is known)."""
+    check_keys(cfg)
+    checks = [
+        one_of("mode", cfg.mode, SERVE_MODES),
+        path_or_null("checkpoint", cfg.checkpoint),
+        at_least("max_new_tokens", cfg.max_new_tokens, 1),
+        (
+            cfg.temperature >= 0 and math.isfinite(cfg.temperature),
+            f"temperature={cfg.temperature} must be >= 0 (0 is greedy decoding)",
+        ),
+        at_least("top_k", cfg.top_k, 0),
+        at_least("batch_size", cfg.batch_size, 1),
+        at_least("prompt_len", cfg.prompt_len, 1),
+        at_least("decode_steps", cfg.decode_steps, 1),
+        one_of("dtype", cfg.dtype, SERVE_DTYPES),
+        between("seed", cfg.seed, 0, MAX_SEED),
+    ]
+    raise_first_failure(checks)

@@ -1,0 +1,182 @@
+"""How much memory a rank needs to train or serve a model, checked against what its device has free
+before the model is built, so that a model too large fails with a line saying what to change instead
+of in the allocator.
+
+The estimates count what is certain to be allocated (weights, gradients, AdamW's moments, the tensors
+saved for the backward, the KV cache, prefill's logits) and leave out the allocator's slack and short
+transient buffers: a run they refuse cannot fit, one they pass can still be tight.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from configs.schema import TrainingConfig
+from model.args import ModelArgs
+from parallel.mesh import ParallelDims
+
+GIB = 2**30
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes one rank needs at its peak, by part (name -> bytes)."""
+
+    parts: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{name} {size / GIB:.1f}" for name, size in self.parts.items() if size >= GIB / 20)
+        return f"about {self.total / GIB:.1f} GiB per rank ({parts} GiB)"
+
+
+def block_activation_elements(args: ModelArgs) -> int:
+    """Elements one transformer block saves for its backward, per token: the norms' inputs and outputs,
+    q/k/v before and after the rotary embedding, the attention output, the residuals, and the MLP's
+    w1 and w3 outputs, their SwiGLU product and w2's output (tests/test_memory.py holds it against the
+    tensors autograd saves)."""
+    kv_dim = args.n_kv_heads * args.head_dim
+    return 10 * args.dim + 3 * kv_dim + 4 * args.ffn_hidden
+
+
+def training_memory(
+    args: ModelArgs,
+    dims: ParallelDims,
+    batch_size: int,
+    seq_len: int,
+    activation_bytes: int,
+    activation_checkpointing: bool,
+    sharded: bool,
+) -> MemoryEstimate:
+    """A training rank's peak: fp32 weights, gradients and AdamW's two moments (split over tp, and over
+    every rank when FSDP2 shards them: `sharded`), DDP's gradient buckets when replicated over several
+    ranks, and one micro-batch's activations (`activation_bytes` per element: 2 under bf16 autocast)."""
+    params = args.num_params() / (dims.world if sharded else dims.tp)
+    ddp_buckets = 4 * params if not sharded and dims.world > 1 else 0
+    split = dims.tp * dims.cp  # sequence parallelism splits every activation over tp * cp
+    tokens = batch_size * seq_len
+    block = tokens * block_activation_elements(args) * activation_bytes / split
+    if activation_checkpointing:  # each block keeps its input; one block's activations are recomputed
+        activations = args.n_layers * tokens * args.dim * activation_bytes / split + block
+    else:
+        activations = args.n_layers * block
+    # The output projection's logits and the loss's float32 softmax.
+    logits = tokens * args.vocab_size * (activation_bytes + 4) / split
+    return MemoryEstimate(
+        {
+            "weights": 4 * params,
+            "gradients": 4 * params + ddp_buckets,
+            "AdamW state": 8 * params,
+            "activations": activations + logits,
+        }
+    )
+
+
+def serving_memory(
+    args: ModelArgs, tp: int, dtype: str, batch: int, prompt_len: int, cache_len: int
+) -> MemoryEstimate:
+    """A decoding rank's peak: its slice of the weights, which serve.py materialises in float32 before
+    casting them to `dtype` (and quantizing them with model.fp8), then the cast (or FP8) weights with
+    the static KV cache and the prefill's full-vocabulary logits."""
+    params = args.num_params() / tp
+    element = getattr(torch, dtype).itemsize
+    loading = 4 * params
+    if args.fp8:  # linear layers hold one byte per weight; the embedding stays bf16
+        embedding = args.vocab_size * args.dim / tp
+        resident = (params - embedding) + 2 * embedding
+    else:
+        resident = element * params
+    kv_cache = 2 * args.n_layers * batch * (args.n_kv_heads // tp) * args.head_dim * cache_len * element
+    prefill = batch * prompt_len * (args.vocab_size * element + 3 * args.ffn_hidden // tp * element)
+    if loading >= resident + kv_cache + prefill:
+        return MemoryEstimate({"weights while loading (float32)": loading})
+    return MemoryEstimate({"weights": resident, "KV cache": kv_cache, "prefill": prefill})
+
+
+def available_memory(device: torch.device) -> float | None:
+    """Bytes this rank may use on `device`: the GPU's free memory, or the host's available memory; shared
+    by the ranks on it (ranks sharing a GPU, or every rank of a node on CPU). None where unknown."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free / max(1, local_ranks // torch.cuda.device_count())
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as meminfo:
+                fields = dict(line.split(":", 1) for line in meminfo)
+        except OSError:
+            return None
+        return int(fields["MemAvailable"].split()[0]) * 1024 / local_ranks
+    return None
+
+
+def agreed_minimum(value: float) -> float:
+    """The smallest `value` over all ranks, so that every rank takes the same decision."""
+    if not dist.is_initialized():
+        return value
+    tensor = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return tensor.item()
+
+
+def check_fits(estimate: MemoryEstimate, device: torch.device, what: str, advice: list[str]) -> None:
+    """Raise a one-line ValueError, ending in `advice`, when `estimate` exceeds the memory `device` has
+    for this rank (the least any rank has, so that all ranks decide alike)."""
+    available = available_memory(device)
+    available = agreed_minimum(available if available is not None else float("inf"))
+    if estimate.total > available:
+        raise ValueError(
+            f"{what} needs {estimate.describe()} but {device.type} has {available / GIB:.1f} GiB "
+            f"available per rank: {'; or '.join([*advice, 'pick a smaller model'])}"
+        )
+
+
+def split_advice(device: torch.device, script: str) -> str:
+    """More ranks only help where each has its own memory (on CPU the ranks of a host share it)."""
+    if device.type == "cpu":
+        return "run on GPUs"
+    return f"split the model over more GPUs (torchrun --nproc_per_node=N {script} parallel.tp=N)"
+
+
+def check_training_fits(
+    args: ModelArgs, dims: ParallelDims, training: TrainingConfig, sharded: bool, device: torch.device
+) -> None:
+    """train.py's check: `training` is the config's training group; `sharded`: FSDP2 shards the model."""
+    activation_bytes = 2 if device.type == "cuda" and training.dtype == "bfloat16" else 4
+    estimate = training_memory(
+        args,
+        dims,
+        training.batch_size,
+        training.seq_len,
+        activation_bytes,
+        training.activation_checkpointing,
+        sharded,
+    )
+    advice = [split_advice(device, "train.py")]
+    if device.type == "cuda" and not sharded and dims.world > 1:
+        advice.append("set parallel.fsdp=true to shard it over the data-parallel ranks")
+    if estimate.parts["activations"] > estimate.total / 4:
+        advice.insert(0, "lower training.batch_size (raise training.grad_accum to keep the batch)")
+        if not training.activation_checkpointing:
+            advice.insert(1, "set training.activation_checkpointing=true")
+    check_fits(estimate, device, f"training model {args.name}", advice)
+
+
+def check_serving_fits(
+    args: ModelArgs, tp: int, dtype: str, batch: int, prompt_len: int, cache_len: int, device: torch.device
+) -> None:
+    """serve.py's check, for `batch` sequences of `prompt_len` prompt tokens in a cache of `cache_len`."""
+    estimate = serving_memory(args, tp, dtype, batch, prompt_len, cache_len)
+    advice = [split_advice(device, "serve.py")]
+    if "KV cache" in estimate.parts:  # past loading, the cache and the prefill may be what is too large
+        advice.insert(0, "lower batch_size or the prompt and decode lengths")
+        if not args.fp8 and device.type == "cuda":
+            advice.append("set model.fp8=true")
+    check_fits(estimate, device, f"serving model {args.name}", advice)

@@ -1,0 +1,89 @@
+"""The memory estimates of model/memory.py held against what is allocated: the tensors autograd saves for
+the backward, the KV cache, the weights; and the one-line refusal of a model too large (llama3_8b in
+24 GiB)."""
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from model import memory
+from model.args import ModelArgs
+from model.llama import Llama
+from parallel.loss import cross_entropy
+from parallel.mesh import ParallelDims
+from tests.test_user_errors import composed
+
+GIB = 2**30
+
+
+TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_hidden=192)
+
+
+def saved_activation_bytes(model: Llama, tokens: torch.Tensor) -> int:
+    """Bytes of the tensors autograd saves for the backward of the training loss (weights excepted)."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        cross_entropy(model, model(tokens), tokens)
+    return sum(saved.values())
+
+
+def test_training_estimate_matches_what_autograd_saves() -> None:
+    batch, seq = 4, 64
+    measured = saved_activation_bytes(Llama(TINY), torch.randint(0, TINY.vocab_size, (batch, seq)))
+    estimate = memory.training_memory(TINY, ParallelDims(1, 1, 1), batch, seq, 4, False, sharded=False)
+    assert 0.8 * measured <= estimate.parts["activations"] <= 1.25 * measured
+    assert estimate.parts["weights"] == 4 * sum(p.numel() for p in Llama(TINY).parameters())
+    assert estimate.parts["AdamW state"] == 2 * estimate.parts["weights"]
+    # tp splits the weights; FSDP2 over every rank splits them further; DDP replicas keep gradient buckets.
+    tp = memory.training_memory(TINY, ParallelDims(2, 1, 2), batch, seq, 4, False, sharded=True)
+    assert tp.parts["weights"] == estimate.parts["weights"] / 4
+    ddp = memory.training_memory(TINY, ParallelDims(2, 1, 1), batch, seq, 4, False, sharded=False)
+    assert ddp.parts["gradients"] == 2 * estimate.parts["gradients"]
+    recompute = memory.training_memory(TINY, ParallelDims(1, 1, 1), batch, seq, 4, True, sharded=False)
+    assert recompute.parts["activations"] < estimate.parts["activations"] / 1.5
+
+
+def test_serving_estimate_matches_the_kv_cache() -> None:
+    model = Llama(TINY).to(torch.bfloat16)
+    model.setup_caches(batch=16, max_len=64)
+    cache = sum(b.numel() * b.element_size() for n, b in model.named_buffers() if "kv_cache" in n)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    estimate = memory.serving_memory(TINY, 1, "bfloat16", batch=16, prompt_len=8, cache_len=64)
+    assert estimate.parts["KV cache"] == cache
+    assert estimate.parts["weights"] == weights
+    # A large model with a small cache peaks while its weights are materialised in float32.
+    big = ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_hidden=14336)
+    loading = memory.serving_memory(big, 2, "bfloat16", batch=1, prompt_len=8, cache_len=64)
+    assert loading.total == 4 * big.num_params() / 2
+
+
+def test_llama3_8b_does_not_fit_24_gib(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "available_memory", lambda device: 24 * GIB)
+    args = OmegaConf.to_object(composed("train", "model=llama3_8b").model)
+    training = composed("train").training
+    with pytest.raises(ValueError) as caught:
+        memory.check_training_fits(args, ParallelDims(1, 1, 1), training, False, torch.device("cpu"))
+    message = str(caught.value)
+    assert message.startswith("training model llama3_8b needs about 146.4 GiB per rank (weights 29.9,")
+    assert "but cpu has 24.0 GiB available per rank: run on GPUs" in message
+    debug = OmegaConf.to_object(composed("train").model)
+    memory.check_training_fits(debug, ParallelDims(1, 1, 1), training, False, torch.device("cpu"))
+    # Activations too large on a GPU: the batch and activation checkpointing come first in the advice.
+    monkeypatch.setattr(memory, "available_memory", lambda device: 0.1 * GIB)
+    with pytest.raises(ValueError, match=r"lower training\.batch_size .*activation_checkpointing=true"):
+        memory.check_training_fits(debug, ParallelDims(1, 1, 1), training, False, torch.device("cuda"))
+
+
+def test_available_memory_on_cpu_is_shared_by_the_node_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    one = memory.available_memory(torch.device("cpu"))
+    assert one is not None and one > 0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert memory.available_memory(torch.device("cpu")) == pytest.approx(one / 4, rel=0.2)

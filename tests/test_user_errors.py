@@ -1,0 +1,217 @@
+"""A user's mistakes in train.py and serve.py: every value is checked before a model is built, the
+schemas are strict, and each error prints as one line once (under torchrun too), with the traceback
+only under HYDRA_FULL_ERROR=1; a model too large for the device's memory is refused the same way."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+from configs.launch import one_line
+from configs.schema import register_configs, register_resolvers
+from configs.validate import check_keys, validate_serve_config, validate_train_config
+from model import memory
+from model.args import ModelArgs
+from tests.multiprocess import run_ranks
+from tests.test_train_serve import ROOT, run_script
+
+GIB = 2**30
+
+
+def composed(config: str, *overrides: str):
+    """The config train.py / serve.py would get for these overrides (Hydra's errors raised as they are)."""
+    register_configs()
+    register_resolvers()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base=None):
+        return compose(config, overrides=list(overrides))
+
+
+def error_line(config: str, *overrides: str) -> str:
+    with pytest.raises(Exception) as caught:
+        cfg = composed(config, *overrides)
+        (validate_train_config if config == "train" else validate_serve_config)(cfg)
+    line = one_line(caught.value)
+    assert "\n" not in line
+    return line
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["training.stepz=5"], "unknown key training.stepz: training's keys are steps, batch_size,"),
+        (["+training.stepz=5"], "unknown key training.stepz: training's keys are steps, batch_size,"),
+        (["+model.foo=1"], "unknown key model.foo: model's keys are name, dim, n_layers,"),
+        (["stepz=1"], "unknown key stepz: the top-level keys are model, parallel, training,"),
+        (["+stepz=1"], "unknown key stepz: the top-level keys are model, parallel, training,"),
+        (["model=model_schema"], "the choices for model are debug, llama3_405b, llama3_70b, llama3_8b"),
+        (["parallel=parallel_schema"], "the choices for parallel are default"),
+        (["training.steps=abc"], "training.steps=abc: Value 'abc' of type 'str' could not be converted"),
+        (["training.steps=[1"], "cannot parse an override"),
+    ],
+)
+def test_config_errors_name_the_valid_choices(overrides: list[str], message: str) -> None:
+    line = error_line("train", *overrides)
+    assert message in line
+    assert "schema" not in line.partition("choices")[2]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("training.steps=0", "training.steps=0 must be >= 1"),
+        ("training.batch_size=0", "training.batch_size=0 must be >= 1"),
+        ("training.seq_len=0", "training.seq_len=0 must be >= 1"),
+        ("training.grad_accum=-1", "training.grad_accum=-1 must be >= 1"),
+        ("training.lr=0", "training.lr=0.0 must be a positive number"),
+        ("training.lr=nan", "training.lr=nan must be a positive number"),
+        ("training.min_lr_ratio=1.5", "training.min_lr_ratio=1.5 must be in [0, 1]"),
+        ("training.warmup_steps=-1", "training.warmup_steps=-1 must be >= 0"),
+        ("training.weight_decay=-0.1", "training.weight_decay=-0.1 must be >= 0"),
+        ("training.beta1=1", "training.beta1=1.0 must be in [0, 1)"),
+        ("training.beta2=-0.5", "training.beta2=-0.5 must be in [0, 1)"),
+        ("training.grad_clip=-1", "training.grad_clip=-1.0 must be >= 0"),
+        ("training.seed=-1", "training.seed=-1 must be in [0, 4294967295]"),
+        ("training.stop_at=0", "training.stop_at=0 must be between 1 and training.steps=300 (or null)"),
+        ("training.stop_at=301", "training.stop_at=301 must be between 1 and training.steps=300 (or null)"),
+        ("training.dtype=float16", "training.dtype='float16' is not one of bfloat16, float32"),
+        ("data.jsonl_field=", "data.jsonl_field must name the field holding each line's text"),
+        ("data.path=", "data.path is empty: give a path, or null"),
+        ("checkpoint.init_from=", "checkpoint.init_from is empty: give a path, or null"),
+        ("checkpoint.every=-1", "checkpoint.every=-1 must be >= 0"),
+        ("checkpoint.keep=0", "checkpoint.keep=0 must be >= 1"),
+        ("logging.every=0", "logging.every=0 must be >= 1"),
+    ],
+)
+def test_train_values_are_checked(override: str, message: str) -> None:
+    assert error_line("train", override) == message
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("mode=chat", "mode='chat' is not one of bench, generate"),
+        ("checkpoint=", "checkpoint is empty: give a path, or null"),
+        ("max_new_tokens=0", "max_new_tokens=0 must be >= 1"),
+        ("max_new_tokens=-1", "max_new_tokens=-1 must be >= 1"),
+        ("temperature=-0.5", "temperature=-0.5 must be >= 0 (0 is greedy decoding)"),
+        ("temperature=inf", "temperature=inf must be >= 0 (0 is greedy decoding)"),
+        ("top_k=-1", "top_k=-1 must be >= 0"),
+        ("batch_size=0", "batch_size=0 must be >= 1"),
+        ("prompt_len=0", "prompt_len=0 must be >= 1"),
+        ("decode_steps=0", "decode_steps=0 must be >= 1"),
+        ("dtype=fp8", "dtype='fp8' is not one of bfloat16, float16, float32"),
+        ("seed=-3", "seed=-3 must be in [0, 4294967295]"),
+        ("+serve.foo=1", "unknown key serve: the top-level keys are model, parallel, mode,"),
+    ],
+)
+def test_serve_values_are_checked(override: str, message: str) -> None:
+    assert error_line("serve", override).startswith(message)
+
+
+def test_presets_pass_the_checks() -> None:
+    for model in ("debug", "llama3_8b", "llama3_70b", "llama3_405b"):
+        cfg = composed("train", f"model={model}")
+        check_keys(cfg)
+        validate_train_config(cfg)
+        OmegaConf.to_object(cfg.model).validate()
+    validate_serve_config(composed("serve"))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("n_heads", 0, "model.n_heads=0 must be > 0"),
+        ("n_kv_heads", 0, "model.n_kv_heads=0 must be > 0"),
+        ("dim", -8, "model.dim=-8 must be > 0"),
+        ("max_seq_len", 0, "model.max_seq_len=0 must be > 0"),
+        ("norm_eps", 0.0, "model.norm_eps=0.0 must be > 0"),
+        ("rope_theta", -1.0, "model.rope_theta=-1.0 must be > 0"),
+    ],
+)
+def test_model_shape_is_checked(field: str, value: float, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        ModelArgs(**{field: value}).validate()
+
+
+def _report(rank: int, world: int, failing: list[int], out: Path) -> None:
+    """Ranks in `failing` meet a user error; the others stand for ranks still at work (in a collective)."""
+    from parallel import distributed
+
+    sys.stderr = open(out / f"rank{rank}.txt", "w")  # noqa: SIM115
+    if rank in failing:
+        distributed.print_error_once("training.steps=0 must be >= 1", wait_s=2.0)
+    if rank not in failing or len(failing) < world:
+        torch.distributed.barrier()
+    sys.stderr.close()
+
+
+def test_error_met_by_every_rank_prints_once(tmp_path: Path) -> None:
+    run_ranks(_report, 2, [0, 1], tmp_path)
+    assert (tmp_path / "rank0.txt").read_text() == "training.steps=0 must be >= 1\n"
+    assert (tmp_path / "rank1.txt").read_text() == ""
+
+
+def test_error_met_by_one_rank_names_it(tmp_path: Path) -> None:
+    run_ranks(_report, 2, [1], tmp_path)
+    assert (tmp_path / "rank0.txt").read_text() == ""
+    assert (tmp_path / "rank1.txt").read_text() == "[rank 1] training.steps=0 must be >= 1\n"
+
+
+def assert_one_error_line(done, text: str) -> None:
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and text in lines[0], done.stderr[-3000:]
+    assert done.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("script", "overrides", "text"),
+    [
+        ("train.py", ["training.stepz=5"], "unknown key training.stepz: training's keys are steps"),
+        ("train.py", ["+training.stepz=5"], "unknown key training.stepz: training's keys are steps"),
+        ("train.py", ["model=model_schema"], "the choices for model are debug, llama3_405b"),
+        ("train.py", ["training.steps=abc"], "could not be converted to Integer"),
+        ("serve.py", ["mode=generate", "max_new_tokens=0"], "max_new_tokens=0 must be >= 1"),
+        ("serve.py", ["mode=generate", "max_new_tokens=-1"], "max_new_tokens=-1 must be >= 1"),
+        ("serve.py", ["model=llama3_405b"], "serving model llama3_405b needs about"),
+    ],
+)
+def test_script_prints_one_error_line(tmp_path: Path, script: str, overrides: list[str], text: str) -> None:
+    done = run_script(script, *overrides, "device=cpu", f"hydra.run.dir={tmp_path}")
+    assert_one_error_line(done, text)
+
+
+@pytest.mark.skipif(
+    (memory.available_memory(torch.device("cpu")) or 0) > 140 * GIB, reason="this host could train llama3_8b"
+)
+def test_train_llama3_8b_on_cpu_is_refused(tmp_path: Path) -> None:
+    done = run_script("train.py", "model=llama3_8b", "device=cpu", f"hydra.run.dir={tmp_path}")
+    assert_one_error_line(done, "training model llama3_8b needs about 146.4 GiB per rank")
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_help_offers_no_schema() -> None:
+    done = run_script("train.py", "--help")
+    assert done.returncode == 0
+    assert "model: debug, llama3_405b, llama3_70b, llama3_8b" in done.stdout
+    assert "schema" not in done.stdout.split("== Config ==")[0]
+
+
+def test_full_error_shows_the_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HYDRA_FULL_ERROR", "1")
+    done = run_script("train.py", "training.steps=0", "device=cpu", f"hydra.run.dir={tmp_path}")
+    assert done.returncode == 1
+    assert "Traceback (most recent call last)" in done.stderr
+    assert done.stderr.strip().endswith("ValueError: training.steps=0 must be >= 1")
+
+
+def test_torchrun_prints_the_error_once(tmp_path: Path) -> None:
+    done = run_script("train.py", "training.steps=0", "device=cpu", f"hydra.run.dir={tmp_path}", torchrun=2)
+    assert done.returncode != 0
+    assert done.stderr.count("training.steps=0 must be >= 1") == 1, done.stderr[-3000:]
+    assert "[rank" not in done.stderr
