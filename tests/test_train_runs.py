@@ -26,9 +26,14 @@ def environment() -> dict[str, str]:
     return env
 
 
-def start_training(*overrides: str) -> subprocess.Popen:
+def start_training(*overrides: str, torchrun: int = 0) -> subprocess.Popen:
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={torchrun}"]
+        if torchrun
+        else [sys.executable]
+    )
     return subprocess.Popen(
-        [sys.executable, "train.py", *overrides],
+        [*launcher, "train.py", *overrides],
         cwd=ROOT,
         env=environment(),
         stdout=subprocess.PIPE,
@@ -101,7 +106,7 @@ def test_sigint_saves_prints_resume_command_and_resumes_exactly(tmp_path: Path, 
     first = wait_for_line(process, "step 1/")
     assert first[0] == f"run directory: {run_dir}\n"
     process.send_signal(signal.SIGINT)
-    out, err = process.communicate(timeout=120)
+    out, err = process.communicate(timeout=60)
     assert process.returncode == 128 + signal.SIGINT, err[-3000:]
     stopped = max(metric_steps(run_dir))
     assert 1 <= stopped < STEPS
@@ -118,6 +123,42 @@ def test_sigint_saves_prints_resume_command_and_resumes_exactly(tmp_path: Path, 
     assert f"resuming from {run_dir}/checkpoints/step_{stopped:08d}" in resumed.stdout
     assert metric_steps(run_dir) == list(range(1, STEPS + 1))
     assert losses(run_dir)[STEPS] == losses(straight)[STEPS]
+
+
+def worker_of_rank(torchrun: subprocess.Popen, rank: int) -> int:
+    """The pid of a torchrun worker (read from /proc: the children of torchrun's process)."""
+    children = Path(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children").read_text().split()
+    for pid in map(int, children):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} among {children}")
+
+
+def test_torchrun_ranks_agree_on_the_step_to_stop_after(tmp_path: Path) -> None:
+    """Only rank 1 is signalled: rank 0 stops after the same step, saves, and the run resumes."""
+    steps = 100
+    process = start_training(*TINY, CPU, f"training.steps={steps}", f"hydra.run.dir={tmp_path}", torchrun=2)
+    wait_for_line(process, "step 1/")
+    os.kill(worker_of_rank(process, 1), signal.SIGINT)
+    out, err = process.communicate(timeout=120)
+    stopped = max(metric_steps(tmp_path))
+    assert f"SIGINT: stopped at step {stopped}" in out, err[-3000:]
+    assert stopped < steps and checkpoint_steps(tmp_path)[-1] == stopped
+    (command,) = [line.split("resume with: ", 1)[1] for line in out.splitlines() if "resume with: " in line]
+    assert command.startswith("torchrun --nproc_per_node=2 train.py ")
+
+    launcher = [sys.executable, "-m", "torch.distributed.run"]
+    resumed = subprocess.run(
+        [*launcher, *shlex.split(command)[1:]],
+        cwd=ROOT,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert metric_steps(tmp_path) == list(range(1, steps + 1))
 
 
 def test_second_signal_exits_at_once_and_resume_drops_replayed_rows(tmp_path: Path, straight: Path) -> None:
