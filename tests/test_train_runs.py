@@ -141,7 +141,7 @@ def test_torchrun_ranks_agree_on_the_step_to_stop_after(tmp_path: Path) -> None:
     process = start_training(*TINY, CPU, f"training.steps={steps}", f"hydra.run.dir={tmp_path}", torchrun=2)
     wait_for_line(process, "step 1/")
     os.kill(worker_of_rank(process, 1), signal.SIGINT)
-    out, err = process.communicate(timeout=120)
+    out, err = process.communicate(timeout=60)
     stopped = max(metric_steps(tmp_path))
     assert f"SIGINT: stopped at step {stopped}" in out, err[-3000:]
     assert stopped < steps and checkpoint_steps(tmp_path)[-1] == stopped
