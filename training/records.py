@@ -32,10 +32,13 @@ RECIPE_KEYS = (
 PRE_TRAINING_FILES = ("train.log", "metrics.jsonl", "tensorboard", "launches", *HF_TOKENIZER_FILES)
 
 
-def _value(config: dict[str, Any], dotted: str) -> Any:
+def _value(config: Any, dotted: str) -> Any:
+    """config["a"]["b"] for "a.b"; None where absent."""
     for part in dotted.split("."):
-        config = config.get(part, {}) if isinstance(config, dict) else {}
-    return config if config != {} else None
+        if not isinstance(config, dict):
+            return None
+        config = config.get(part)
+    return config
 
 
 def resume_changes(saved: dict[str, Any] | None, current: dict[str, Any]) -> tuple[list[str], list[str]]:
