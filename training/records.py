@@ -58,11 +58,13 @@ def resume_changes(saved: dict[str, Any] | None, current: dict[str, Any]) -> tup
 
 
 def shown(path: Path) -> str:
-    """A path as a user would type it: relative to the working directory when inside it."""
+    """A path as a user would type it: relative to the working directory when inside it (symbolic links
+    kept: a virtual environment's python is one)."""
+    absolute = Path(os.path.abspath(path))
     try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
+        return str(absolute.relative_to(Path.cwd()))
     except ValueError:
-        return str(path)
+        return str(absolute)
 
 
 def resume_command(run_dir: Path) -> str:
