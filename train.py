@@ -6,13 +6,18 @@
     torchrun --nproc_per_node=4 train.py parallel.tp=2  # tensor + sequence parallel x FSDP2 (dp=2)
     python train.py hydra.run.dir=runs/mine           # run again with the same dir: resumes
 
+Ctrl-C (SIGINT) or SIGTERM stops after the current step with a checkpoint and prints the command that
+resumes; a second one exits at once.
+
 Every key is listed, typed and documented in configs/schema.py.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import logging
 import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,12 +28,13 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from configs.launch import launch, user_errors
 from configs.schema import TrainConfig
 from configs.validate import validate_train_config
 from model.args import ModelArgs
-from model.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from model.checkpoint import load_checkpoint, load_newest_intact, save_checkpoint
 from model.data import build_dataset, load_documents
 from model.hf import export_hf
 from model.llama import Llama
@@ -51,6 +57,11 @@ from parallel.parallelize import (
     clip_grad_norm_,
     parallelize_llama,
 )
+from training.interrupt import StopRequest
+from training.metrics import MetricsLog, require_tensorboard
+from training.records import LaunchRecord, resume_changes, resume_command, shown
+
+log = logging.getLogger("train")
 
 # Dense bf16 tensor-core peaks (FLOP/s), for MFU.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
@@ -157,7 +168,55 @@ def train_step(
     return StepStats(loss_value, grad_norm, tokens, time.perf_counter() - start)
 
 
-def run(cfg: TrainConfig, run_dir: Path) -> None:
+def set_optimizer_values(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    cfg: TrainConfig,
+    step: int,
+) -> None:
+    """Put the configured lr schedule, betas and weight decay over those a resumed checkpoint restored
+    (build_optimizer's groups: the decayed matrices first)."""
+    t = cfg.training
+    lr = t.lr * lr_lambda(step, t.warmup_steps, t.steps, t.min_lr_ratio)
+    for group in optimizer.param_groups:
+        group.update(initial_lr=t.lr, lr=lr, betas=(t.beta1, t.beta2))
+    optimizer.param_groups[0]["weight_decay"] = t.weight_decay
+    scheduler.base_lrs = [t.lr] * len(optimizer.param_groups)
+
+
+def check_resume_config(
+    saved: dict | None,
+    cfg: TrainConfig,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    step: int,
+    source: Path,
+) -> None:
+    """Say what a resume changes from the config the checkpoint was saved with; a changed schedule is
+    refused unless training.allow_schedule_change=true, then applied from the next step."""
+    schedule, other = resume_changes(saved, OmegaConf.to_container(cfg, resolve=True))
+    if other and distributed.rank() == 0:
+        log.warning(f"warning: resuming {shown(source)} with changed values: {', '.join(other)}")
+    if not schedule:
+        return
+    t = cfg.training
+    new_lr = t.lr * lr_lambda(step, t.warmup_steps, t.steps, t.min_lr_ratio)
+    change = (
+        f"{', '.join(schedule)}; learning rate of step {step + 1}: "
+        f"{optimizer.param_groups[0]['lr']:.3g} -> {new_lr:.3g}"
+    )
+    if not t.allow_schedule_change:
+        raise ValueError(
+            f"resuming {shown(source)} with a changed schedule ({change}): set "
+            f"training.allow_schedule_change=true to apply it from step {step + 1}, or resume with the "
+            "checkpoint's values"
+        )
+    if distributed.rank() == 0:
+        log.warning(f"warning: resuming with a changed schedule ({change})")
+    set_optimizer_values(optimizer, scheduler, cfg, step)
+
+
+def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: StopRequest) -> None:
     validate_train_config(cfg)
     device = resolve_device(cfg.device)
     args: ModelArgs = OmegaConf.to_object(cfg.model)
@@ -167,6 +226,10 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
     validate_comm_ops(dims, training=True)
     if t.seq_len > args.max_seq_len:
         raise ValueError(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={args.max_seq_len}")
+    if cfg.logging.tensorboard:
+        require_tensorboard()
+    if rank == 0:
+        log.info(f"run directory: {shown(run_dir)}")
     torch.manual_seed(t.seed)
 
     init_path, args = resolve_init_weights(cfg.checkpoint.init_from, args)
@@ -217,16 +280,18 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
     )
 
     start_step = 0
-    resume_from = latest_checkpoint(run_dir)
-    if resume_from is not None:
-        load = load_parallel_checkpoint if mesh is not None else load_checkpoint
-        meta = load(resume_from, model, optimizer, scheduler)
+    load = load_parallel_checkpoint if mesh is not None else load_checkpoint
+    resumed = load_newest_intact(run_dir, lambda path: load(path, model, optimizer, scheduler))
+    if resumed is not None:
+        resume_from, meta = resumed
         dataset.load_state_dict(meta["data"])
         start_step = meta["step"]
-    if start_step >= t.steps:
-        if rank == 0:
-            print(f"{run_dir} already holds step {start_step} >= training.steps={t.steps}: nothing to do")
-        return
+        if start_step >= t.steps:
+            if rank == 0:
+                done = f"{shown(run_dir)} already holds step {start_step}"
+                log.info(f"{done} >= training.steps={t.steps}: nothing to do")
+            return
+        check_resume_config(meta.get("config"), cfg, optimizer, scheduler, start_step, resume_from)
 
     train_model: torch.nn.Module = model
     if t.activation_checkpointing and mesh is None:  # (parallelize_llama applies it otherwise)
@@ -241,33 +306,45 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
 
     if rank == 0:
         save_tokenizer(tokenizer, run_dir)
-        if resume_from is not None:
-            print(f"resuming from {resume_from} (step {start_step})")
+        if resumed is not None:
+            log.info(f"resuming from {shown(resume_from)} (step {start_step})")
         layout = f" (dp={dims.dp} cp={dims.cp} tp={dims.tp}, comm={dims.comm})" if mesh is not None else ""
-        print(f"model {args.name}: {args.num_params() / 1e6:.1f}M parameters on {device} x{world}{layout}")
+        log.info(f"model {args.name}: {args.num_params() / 1e6:.1f}M parameters on {device} x{world}{layout}")
 
     flops_per_token = args.training_flops_per_token(t.seq_len)
     peak = peak_flops(device)
-    metrics_file = open(run_dir / "metrics.jsonl", "a") if rank == 0 else None  # noqa: SIM115
-    bar = tqdm(
-        total=t.steps,
-        initial=start_step,
-        disable=rank != 0 or not cfg.logging.progress_bar,
-        dynamic_ncols=True,
-    )
+    config = OmegaConf.to_container(cfg, resolve=True)  # recorded in each checkpoint
+    metrics = MetricsLog(run_dir, start_step, t.steps, cfg.logging.tensorboard) if rank == 0 else None
+    # Drawn only on a terminal: redirected to a file, a bar is a stream of carriage returns.
+    show_bar = rank == 0 and cfg.logging.progress_bar and sys.stderr.isatty()
+    bar = tqdm(total=t.steps, initial=start_step, disable=not show_bar, dynamic_ncols=True)
     last_saved = start_step
     step = start_step
-    try:
+    interrupted = False
+    # While the bar is drawn, log lines are printed above it.
+    redirect = logging_redirect_tqdm() if show_bar else contextlib.nullcontext()
+    with bar, metrics or contextlib.nullcontext(), redirect:
         for step in range(start_step + 1, t.steps + 1):
             try:
                 stats = train_step(
-                    train_model, optimizer, scheduler, dataset, cfg, device, autocast_dtype, dp_size, cp_chunk
+                    train_model,
+                    optimizer,
+                    scheduler,
+                    dataset,
+                    cfg,
+                    device,
+                    autocast_dtype,
+                    dp_size,
+                    cp_chunk,
                 )
             except NonFiniteLoss as err:
                 raise SystemExit(
                     f"loss became {err.args[0]} at step {step}: stopping. The last good checkpoint (step "
                     f"{last_saved}) is kept in {run_dir / 'checkpoints'}; lower training.lr or check the data"
                 ) from None
+            launch_record.trained = True
+            interrupted = stop.agreed() and step < t.steps  # the same answer on every rank
+            last_of_launch = interrupted or step in (t.steps, t.stop_at)
             record = {
                 "step": step,
                 "loss": round(stats.loss, 5),
@@ -283,15 +360,21 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
             bar.set_postfix(
                 {k: v for k, v in record.items() if k in ("loss", "tokens_per_s", "memory_gb", "mfu")}
             )
-            if metrics_file is not None and (step % cfg.logging.every == 0 or step in (1, t.steps)):
-                metrics_file.write(json.dumps(record) + "\n")
-                metrics_file.flush()
+            if metrics is not None and (step % cfg.logging.every == 0 or step == 1 or last_of_launch):
+                metrics.write(record)
             every = cfg.checkpoint.every
-            if step == t.steps or step == t.stop_at or (every > 0 and step % every == 0):
+            if last_of_launch or (every > 0 and step % every == 0):
                 if mesh is not None:
                     # Sharded: every rank gathers the full tensors, rank 0 writes (layout-free format).
                     save_parallel_checkpoint(
-                        run_dir, step, model, optimizer, scheduler, dataset.state_dict(), cfg.checkpoint.keep
+                        run_dir,
+                        step,
+                        model,
+                        optimizer,
+                        scheduler,
+                        dataset.state_dict(),
+                        cfg.checkpoint.keep,
+                        config,
                     )
                 # Data parallel keeps identical weights and optimizer state on every rank: rank 0 saves.
                 elif rank == 0:
@@ -303,30 +386,41 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
                         scheduler,
                         dataset.state_dict(),
                         keep=cfg.checkpoint.keep,
+                        config=config,
                     )
                 if dist.is_initialized():
                     dist.barrier()
                 last_saved = step
-            if step == t.stop_at:
+            if last_of_launch:
                 break
-    finally:
-        bar.close()
-        if metrics_file is not None:
-            metrics_file.close()
     export = cfg.checkpoint.export_hf and step == t.steps
     # A sharded model is gathered (by every rank) before rank 0 exports it.
     weights = full_model_state(model) if export and mesh is not None else model
     if rank == 0:
-        print(f"stopped at step {step}, last loss {stats.loss:.4f}; run directory {run_dir}")
+        why = f"{stop.signal.name}: " if interrupted else ""
+        log.info(f"{why}stopped at step {step}, last loss {stats.loss:.4f}; run directory {shown(run_dir)}")
+        if step < t.steps:
+            log.info(f"checkpoint of step {step} saved; resume with: {resume_command(run_dir)}")
         if export:
             out = export_hf(weights, args, run_dir / "hf", tokenizer=tokenizer, overwrite=True)
-            print(f"exported a Hugging Face model to {out}")
+            log.info(f"exported a Hugging Face model to {out}")
+    if interrupted:
+        raise SystemExit(stop.exit_code)
 
 
 @hydra.main(version_base=None, config_path="configs", config_name="train")
 def main(cfg: TrainConfig) -> None:
+    hydra_config = HydraConfig.get()
+    run_dir = Path(hydra_config.runtime.output_dir)
+    launch_record = LaunchRecord(run_dir, hydra_config.output_subdir)
     with user_errors():
-        run(cfg, Path(HydraConfig.get().runtime.output_dir))
+        try:
+            with StopRequest() as stop:
+                run(cfg, run_dir, launch_record, stop)
+        except BaseException:
+            if distributed.rank() == 0 and not launch_record.trained:
+                launch_record.forget()
+            raise
 
 
 if __name__ == "__main__":

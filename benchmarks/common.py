@@ -54,6 +54,18 @@ def environment() -> dict[str, str]:
     return env
 
 
+def pyplot():
+    """matplotlib.pyplot drawing to files (no display), or a one-line error saying how to install it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("plotting needs matplotlib: pip install -e '.[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def time_events(fn: Callable[[], object], iters: int = 50, warmup: int = 5) -> float:
     """Median milliseconds of `fn` over `iters` calls, each bracketed by CUDA events."""
     for _ in range(warmup):

@@ -21,7 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS_DIR, device_name, write_results
+from benchmarks.common import RESULTS_DIR, device_name, pyplot, write_results
+from training.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,8 +49,7 @@ def run_training(
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{dim}={degree} failed:\n{done.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return records, seconds
+    return read_metrics(run_dir), seconds
 
 
 TITLES = {"tp": "tensor + sequence parallel", "cp": "Ulysses context parallel"}
@@ -57,11 +57,7 @@ TITLES = {"tp": "tensor + sequence parallel", "cp": "Ulysses context parallel"}
 
 def plot(dim: str, curves: dict[int, list[tuple[int, float]]], tag: str) -> Path:
     """Loss per step for each degree, and each one's difference from the first, as a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     degrees = list(curves)
     base = dict(curves[degrees[0]])
     fig, (ax, ax_diff) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=[3, 1])

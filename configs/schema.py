@@ -47,6 +47,10 @@ class TrainingConfig:
     seed: int = 0
     # Stop (after saving a checkpoint) at this step as if interrupted; running again resumes.
     stop_at: int | None = None
+    # Resume even though steps, lr, warmup_steps, min_lr_ratio, weight_decay, beta1 or beta2 differ
+    # from the checkpoint's: the new values apply from the next step (the learning rate jumps to the
+    # new schedule's value there). Without it such a resume is refused, naming the changes.
+    allow_schedule_change: bool = False
     # Autocast dtype on GPU (bfloat16 | float32); CPU always trains in float32.
     dtype: str = "bfloat16"
     compile: bool = False
@@ -76,9 +80,12 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    # Log metrics every N optimizer steps.
+    # Log metrics every N optimizer steps (metrics.jsonl, a line in train.log and on the console).
     every: int = 10
+    # A progress bar on the terminal (never drawn when stderr is not a terminal).
     progress_bar: bool = True
+    # Also write the metrics as TensorBoard events to <run dir>/tensorboard (pip install -e '.[tensorboard]').
+    tensorboard: bool = False
 
 
 @dataclass

@@ -5,20 +5,27 @@ mid-save never touches the last complete checkpoint.
     <run dir>/checkpoints/step_00000100/
         model.safetensors        the model's state dict (a tied output weight stored once)
         train_state.safetensors  optimizer tensors and RNG states
-        meta.json                step, model args, data position, scheduler, optimizer hyper-parameters
+        meta.json                step, model args, data position, scheduler, optimizer hyper-parameters,
+                                 and the run's config (what the training that wrote it was told)
+
+A resume reads every file before it changes anything, so an unreadable (truncated) checkpoint can be
+skipped for the one before it (`load_newest_intact`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from model.args import ModelArgs, RopeScaling
@@ -28,6 +35,20 @@ STEP_PREFIX = "step_"
 # Model args that do not change what the saved weights mean: a name, how weights are initialised, and
 # how they are run.
 NOT_COMPARED = ("name", "init_std", "fp8")
+
+log = logging.getLogger(__name__)
+
+
+class UnreadableCheckpoint(ValueError):
+    """A checkpoint file that is missing, truncated or corrupt (the message names it)."""
+
+
+def read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors, or UnreadableCheckpoint naming the file."""
+    try:
+        return load_file(str(file))
+    except (OSError, SafetensorError) as err:
+        raise UnreadableCheckpoint(f"cannot read {file}: {err} (truncated or corrupt?)") from None
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -94,9 +115,11 @@ def save_checkpoint(
     scheduler: Any = None,
     data_state: dict[str, Any] | None = None,
     keep: int = 2,
+    config: dict[str, Any] | None = None,
 ) -> Path:
-    """Write the checkpoint of `step` atomically and keep only the newest `keep` ones. Call it from
-    one process per run directory (rank 0): temporary directories of other saves count as crashed."""
+    """Write the checkpoint of `step` atomically and keep only the newest `keep` ones; `config` (the
+    run's config as plain values) is kept in meta.json. Call it from one process per run directory
+    (rank 0): temporary directories of other saves count as crashed."""
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{STEP_PREFIX}{step:08d}"
@@ -114,6 +137,7 @@ def save_checkpoint(
         "data": data_state,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "python_rng": random.getstate(),
+        "config": config,
     }
     if optimizer is not None:
         tensors, meta["optimizer"] = optimizer_tensors(optimizer)
@@ -137,7 +161,10 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     meta_file = Path(path) / "meta.json"
     if not meta_file.is_file():
         raise FileNotFoundError(f"{path} is not a weft checkpoint (no meta.json)")
-    return json.loads(meta_file.read_text())
+    try:
+        return json.loads(meta_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UnreadableCheckpoint(f"cannot read {meta_file}: {err} (truncated or corrupt?)") from None
 
 
 def read_model_args(path: str | Path) -> ModelArgs:
@@ -155,7 +182,7 @@ def read_model_args(path: str | Path) -> ModelArgs:
 
 
 def load_model_state(path: str | Path) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(path) / "model.safetensors"))
+    return read_tensors(Path(path) / "model.safetensors")
 
 
 def state_mismatch(expected: dict[str, tuple[int, ...]], state: dict[str, torch.Tensor]) -> str | None:
@@ -242,12 +269,14 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
 ) -> dict[str, Any]:
-    """Restore model, optimizer, scheduler and RNG from `path`; returns meta.json's contents."""
+    """Restore model, optimizer, scheduler and RNG from `path`; returns meta.json's contents. Every
+    file is read before anything is restored (an unreadable one raises UnreadableCheckpoint)."""
     path = Path(path)
     meta = read_meta(path)
+    weights = load_model_state(path)
+    train = read_tensors(path / "train_state.safetensors")
     _check_model_args(path, meta.get("model_args"), model)
-    copy_state_into(model, load_model_state(path), source=str(path))
-    train = load_file(str(path / "train_state.safetensors"))
+    copy_state_into(model, weights, source=str(path))
     if optimizer is not None:
         _load_optimizer(path, optimizer, meta, train)
     if scheduler is not None and meta.get("scheduler") is not None:
@@ -257,3 +286,26 @@ def load_checkpoint(
         torch.cuda.set_rng_state(train["rng.cuda"])
     random.setstate((meta["python_rng"][0], tuple(meta["python_rng"][1]), meta["python_rng"][2]))
     return meta
+
+
+def load_newest_intact(
+    run_dir: str | Path, load: Callable[[Path], dict[str, Any]]
+) -> tuple[Path, dict[str, Any]] | None:
+    """`load` (load_checkpoint or its parallel twin, bound to the model) the run's newest readable
+    checkpoint, warning about each newer one that is not: (its path, its meta), or None when the run has
+    no checkpoint yet."""
+    found = list_checkpoints(run_dir)
+    problems = []
+    for path in reversed(found):
+        try:
+            return path, load(path)
+        except UnreadableCheckpoint as err:
+            problems.append(str(err))
+            if path != found[0]:
+                log.warning(f"warning: {err}; resuming from the checkpoint before it instead")
+    if problems:
+        raise UnreadableCheckpoint(
+            f"no checkpoint in {checkpoint_dir(run_dir)} is readable ({'; '.join(problems)}): "
+            "move the directory away to start afresh"
+        )
+    return None

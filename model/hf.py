@@ -15,10 +15,10 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from model.args import ModelArgs, RopeScaling
-from model.checkpoint import state_mismatch
+from model.checkpoint import read_tensors, state_mismatch
 from model.tokenizer import HFTokenizer, Tokenizer, save_tokenizer
 
 LAYER_NAMES = {
@@ -139,7 +139,7 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
             raise FileNotFoundError(
                 f"{path / name}, listed in the index, is missing: re-download the checkpoint"
             )
-        state.update(load_file(str(path / name)))
+        state.update(read_tensors(path / name))
     return state
 
 

@@ -233,7 +233,7 @@ class _FullOptimizerView:
 
 
 def save_parallel_checkpoint(
-    run_dir, step: int, model: nn.Module, optimizer, scheduler, data_state, keep: int
+    run_dir, step: int, model: nn.Module, optimizer, scheduler, data_state, keep: int, config=None
 ):
     """model/checkpoint.save_checkpoint for a parallelized model: every rank gathers (collective), rank
     0 writes the usual layout-free checkpoint. Returns the directory on rank 0, None elsewhere."""
@@ -243,7 +243,9 @@ def save_parallel_checkpoint(
     optim_view = _FullOptimizerView(model, optimizer) if optimizer is not None else None
     if not is_writer():
         return None
-    return save_checkpoint(run_dir, step, model_view, optim_view, scheduler, data_state, keep=keep)
+    return save_checkpoint(
+        run_dir, step, model_view, optim_view, scheduler, data_state, keep=keep, config=config
+    )
 
 
 def load_parallel_checkpoint(path, model: nn.Module, optimizer=None, scheduler=None) -> dict[str, Any]:

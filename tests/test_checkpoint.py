@@ -1,9 +1,11 @@
 """Checkpoints: layout, round trip (weights, optimizer, scheduler, RNG, data position), atomic saves that
-survive a crash mid-save, pruning, and clear errors for checkpoints that do not fit."""
+survive a crash mid-save, pruning, clear errors for checkpoints that do not fit or cannot be read, and
+the fall-back to the newest readable one."""
 
 import json
 import os
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -13,9 +15,11 @@ from safetensors.torch import load_file, save_file
 import model.checkpoint as checkpoint
 from model.args import ModelArgs, RopeScaling
 from model.checkpoint import (
+    UnreadableCheckpoint,
     latest_checkpoint,
     load_checkpoint,
     load_model_state,
+    load_newest_intact,
     read_model_args,
     save_checkpoint,
 )
@@ -200,3 +204,41 @@ def test_meta_from_another_version_fails_clearly(tmp_path: Path) -> None:
         read_model_args(path)
     with pytest.raises(FileNotFoundError, match="not a weft checkpoint"):
         read_model_args(tmp_path)
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", "train_state.safetensors", "meta.json"])
+def test_unreadable_file_is_named_and_skipped(
+    tmp_path: Path, damaged: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = tiny_model()
+    optimizer, scheduler = build_optimizer(model)
+    train_step(model, optimizer, scheduler)
+    save_checkpoint(tmp_path, 1, model, optimizer, scheduler, data_state={"step": 1}, keep=2)
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    train_step(model, optimizer, scheduler)
+    newest = save_checkpoint(tmp_path, 2, model, optimizer, scheduler, data_state={"step": 2}, keep=2)
+    file = newest / damaged
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])  # cut short, as by a full disk
+
+    other = tiny_model()
+    other_optimizer, other_scheduler = build_optimizer(other)
+    with pytest.raises(UnreadableCheckpoint, match=re.escape(f"cannot read {file}")):
+        load_checkpoint(newest, other, other_optimizer, other_scheduler)
+    path, meta = load_newest_intact(
+        tmp_path, lambda p: load_checkpoint(p, other, other_optimizer, other_scheduler)
+    )
+    assert path.name == "step_00000001" and meta["step"] == 1
+    assert f"cannot read {file}" in caplog.text and "resuming from the checkpoint before it" in caplog.text
+    for name, tensor in expected.items():
+        assert torch.equal(other.state_dict()[name], tensor), name
+
+
+def test_no_readable_checkpoint_names_each_one(tmp_path: Path) -> None:
+    for step in (1, 2):
+        path = save_checkpoint(tmp_path, step, tiny_model())
+        (path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UnreadableCheckpoint, match=r"no checkpoint in .* is readable") as error:
+        load_newest_intact(tmp_path, lambda p: load_checkpoint(p, tiny_model()))
+    assert "step_00000001/model.safetensors" in str(error.value)
+    assert "step_00000002/model.safetensors" in str(error.value)
+    assert load_newest_intact(tmp_path / "fresh", lambda p: load_checkpoint(p, tiny_model())) is None

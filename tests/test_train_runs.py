@@ -1,0 +1,270 @@
+"""train.py as a user runs it, on CPU: Ctrl-C / SIGTERM stop with a checkpoint and a resume command,
+resumes log each step once, a changed schedule is refused unless allowed, an unreadable checkpoint is
+skipped for the one before it, failed launches leave nothing behind, and the step lines reach
+train.log, the console, TensorBoard and the plot."""
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_train_serve import CPU, ROOT, TINY, losses, run_script
+from train import lr_lambda
+
+STEPS = 300
+COMMON = [*TINY, CPU, f"training.steps={STEPS}", "checkpoint.every=50"]
+
+
+def environment() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return env
+
+
+def start_training(*overrides: str, torchrun: int = 0) -> subprocess.Popen:
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={torchrun}"]
+        if torchrun
+        else [sys.executable]
+    )
+    return subprocess.Popen(
+        [*launcher, "train.py", *overrides],
+        cwd=ROOT,
+        env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_line(process: subprocess.Popen, start: str) -> list[str]:
+    """Read the process's stdout up to a line starting with `start` (the lines read so far)."""
+    seen = []
+    for line in process.stdout:
+        seen.append(line)
+        if line.startswith(start):
+            return seen
+    process.wait(timeout=60)
+    raise AssertionError(f"no line {start!r} in:\n{''.join(seen)}{process.stderr.read()[-3000:]}")
+
+
+def metric_steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def checkpoint_steps(run_dir: Path) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run, logging to TensorBoard too when it is installed; its output is not a
+    terminal, so the progress bar (on by default) gives way to plain lines."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    tensorboard = "true" if _installed("tensorboard") else "false"
+    done = run_script(
+        "train.py",
+        *COMMON,
+        "logging.progress_bar=true",
+        f"logging.tensorboard={tensorboard}",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (run_dir / "console.txt").write_text(done.stdout + done.stderr)
+    return run_dir
+
+
+def _installed(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+def test_step_lines_in_train_log_and_plain_console(straight: Path) -> None:
+    console = (straight / "console.txt").read_text()
+    assert "\r" not in console
+    assert f"step {STEPS}/{STEPS}  loss" in console
+    log = (straight / "train.log").read_text()
+    assert log.splitlines()[0].endswith(f"run directory: {straight}")
+    assert sum(f"step {s}/{STEPS}  loss" in log for s in range(1, STEPS + 1)) == STEPS
+    assert metric_steps(straight) == list(range(1, STEPS + 1))
+    # This launch's config, kept under launches/<launch time>/.
+    (record,) = (straight / "launches").iterdir()
+    assert f"steps: {STEPS}" in (record / "config.yaml").read_text()
+
+
+def test_sigint_saves_prints_resume_command_and_resumes_exactly(tmp_path: Path, straight: Path) -> None:
+    run_dir = tmp_path / "run"
+    process = start_training(*COMMON, f"hydra.run.dir={run_dir}")
+    first = wait_for_line(process, "step 1/")
+    assert first[0] == f"run directory: {run_dir}\n"
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGINT, err[-3000:]
+    stopped = max(metric_steps(run_dir))
+    assert 1 <= stopped < STEPS
+    assert checkpoint_steps(run_dir)[-1] == stopped  # saved at the step it stopped after
+    assert f"SIGINT: stopped at step {stopped}" in out
+    assert f"run directory {run_dir}" in out
+    (command,) = [line.split("resume with: ", 1)[1] for line in out.splitlines() if "resume with: " in line]
+    assert command.endswith(f"hydra.run.dir={run_dir}")
+
+    resumed = subprocess.run(
+        shlex.split(command), cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {run_dir}/checkpoints/step_{stopped:08d}" in resumed.stdout
+    assert metric_steps(run_dir) == list(range(1, STEPS + 1))
+    assert losses(run_dir)[STEPS] == losses(straight)[STEPS]
+
+
+def worker_of_rank(torchrun: subprocess.Popen, rank: int) -> int:
+    """The pid of a torchrun worker (read from /proc: the children of torchrun's process)."""
+    children = Path(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children").read_text().split()
+    for pid in map(int, children):
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} among {children}")
+
+
+def test_torchrun_ranks_agree_on_the_step_to_stop_after(tmp_path: Path) -> None:
+    """Only rank 1 is signalled: rank 0 stops after the same step, saves, and the run resumes."""
+    steps = 100
+    process = start_training(*TINY, CPU, f"training.steps={steps}", f"hydra.run.dir={tmp_path}", torchrun=2)
+    wait_for_line(process, "step 1/")
+    os.kill(worker_of_rank(process, 1), signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    stopped = max(metric_steps(tmp_path))
+    assert f"SIGINT: stopped at step {stopped}" in out, err[-3000:]
+    assert stopped < steps and checkpoint_steps(tmp_path)[-1] == stopped
+    (command,) = [line.split("resume with: ", 1)[1] for line in out.splitlines() if "resume with: " in line]
+    assert command.startswith("torchrun --nproc_per_node=2 train.py ")
+
+    launcher = [sys.executable, "-m", "torch.distributed.run"]
+    resumed = subprocess.run(
+        [*launcher, *shlex.split(command)[1:]],
+        cwd=ROOT,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert metric_steps(tmp_path) == list(range(1, steps + 1))
+
+
+def test_second_signal_exits_at_once_and_resume_drops_replayed_rows(tmp_path: Path, straight: Path) -> None:
+    run_dir = tmp_path / "run"
+    process = start_training(*COMMON, "checkpoint.every=3", f"hydra.run.dir={run_dir}")
+    wait_for_line(process, "step 5/")
+    # Two different signals, so that neither is lost (one signal sent twice may be handled once).
+    process.send_signal(signal.SIGINT)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGTERM, err[-3000:]
+    assert "SIGTERM again: exiting without saving" in err
+    assert "resume with" not in out
+    logged, saved = max(metric_steps(run_dir)), checkpoint_steps(run_dir)[-1]
+    assert saved % 3 == 0 and saved <= logged  # no checkpoint of the step it was stopped in
+
+    resumed = run_script("train.py", *COMMON, "checkpoint.every=3", f"hydra.run.dir={run_dir}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert metric_steps(run_dir) == list(range(1, STEPS + 1))
+    assert losses(run_dir)[STEPS] == losses(straight)[STEPS]
+
+
+def test_changed_schedule_is_refused_unless_allowed(tmp_path: Path) -> None:
+    short = [*TINY, CPU, "training.steps=8", "checkpoint.every=0"]
+    first = run_script("train.py", *short, "training.stop_at=4", f"hydra.run.dir={tmp_path}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    records = sorted((tmp_path / "launches").iterdir())
+    config = (records[0] / "config.yaml").read_text()
+
+    longer = [*TINY, CPU, "training.steps=16", "checkpoint.every=0", f"hydra.run.dir={tmp_path}"]
+    refused = run_script("train.py", *longer)
+    assert refused.returncode != 0
+    message = refused.stdout + refused.stderr
+    assert "training.steps 8 -> 16" in message and "training.allow_schedule_change=true" in message
+    old, new = (3e-3 * lr_lambda(4, 2, steps, 0.1) for steps in (8, 16))
+    assert f"learning rate of step 5: {old:.3g} -> {new:.3g}" in message
+    # The failed launch left the run's records and checkpoints as they were.
+    assert sorted((tmp_path / "launches").iterdir()) == records
+    assert (records[0] / "config.yaml").read_text() == config
+    assert checkpoint_steps(tmp_path) == [4]
+
+    allowed = run_script("train.py", *longer, "training.allow_schedule_change=true")
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
+    assert "changed schedule (training.steps 8 -> 16" in allowed.stdout
+    rows = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    # The lr logged at step 5 is the one step 6 uses: the new schedule's, not a stretched resume's.
+    assert rows[5]["lr"] == pytest.approx(3e-3 * lr_lambda(5, 2, 16, 0.1))
+    assert len(list((tmp_path / "launches").iterdir())) == 2
+    meta = json.loads((tmp_path / "checkpoints" / "step_00000016" / "meta.json").read_text())
+    assert meta["config"]["training"]["steps"] == 16
+
+
+def test_truncated_checkpoint_falls_back_to_the_one_before(tmp_path: Path, straight: Path) -> None:
+    first = run_script("train.py", *COMMON, "training.stop_at=100", f"hydra.run.dir={tmp_path}")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert checkpoint_steps(tmp_path) == [50, 100]
+    weights = tmp_path / "checkpoints" / "step_00000100" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+
+    resumed = run_script("train.py", *COMMON, f"hydra.run.dir={tmp_path}")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"warning: cannot read {weights}" in resumed.stdout
+    assert f"resuming from {tmp_path}/checkpoints/step_00000050" in resumed.stdout
+    assert metric_steps(tmp_path) == list(range(1, STEPS + 1))
+    assert losses(tmp_path)[STEPS] == losses(straight)[STEPS]
+
+
+def test_failed_launch_leaves_no_run_directory(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    done = run_script("train.py", *TINY, CPU, "training.seq_len=4096", f"hydra.run.dir={run_dir}")
+    assert done.returncode != 0
+    assert "max_seq_len" in done.stdout + done.stderr
+    assert not run_dir.exists()
+
+
+def test_tensorboard_events(straight: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(straight / "tensorboard"))
+    events.Reload()
+    assert {"train/loss", "train/lr", "train/tokens_per_s"} <= set(events.Tags()["scalars"])
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == list(range(1, STEPS + 1))
+    assert loss[-1].value == pytest.approx(losses(straight)[STEPS], abs=1e-4)
+
+
+def test_tensorboard_missing_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from training.metrics import require_tensorboard
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
+    with pytest.raises(ValueError, match=r"needs the tensorboard package: pip install") as error:
+        require_tensorboard()
+    assert "\n" not in str(error.value)
+
+
+def test_plot_metrics_draws_several_runs(tmp_path: Path, straight: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "plot.png"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.plot_metrics", str(straight), str(straight), "--out", str(out)],
+        cwd=ROOT,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 20_000

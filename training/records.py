@@ -1,0 +1,115 @@
+"""What a run directory records about its launches, and what a resume may change.
+
+Each launch's config is kept by Hydra under <run dir>/launches/<launch time>/ (config.yaml, the
+overrides, Hydra's settings), and each checkpoint's meta.json holds the config of the run that wrote
+it, so nothing that describes a checkpoint is ever overwritten. A launch that fails before its first
+step leaves nothing behind: its record is removed, and so is a run directory that never trained.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from model.checkpoint import list_checkpoints
+from model.tokenizer import HF_TOKENIZER_FILES
+
+# Values that define the learning-rate schedule and the optimizer's hyper-parameters: a checkpoint's
+# optimizer state was built with them, so a resume that changes them must be asked for
+# (training.allow_schedule_change=true).
+SCHEDULE_KEYS = ("steps", "lr", "warmup_steps", "min_lr_ratio", "weight_decay", "beta1", "beta2")
+# Values that change what the next steps compute without breaking the saved state: a resume says so.
+RECIPE_KEYS = (
+    *(f"training.{k}" for k in ("batch_size", "seq_len", "grad_accum", "grad_clip", "seed", "dtype")),
+    "data.path",
+    "data.jsonl_field",
+)
+# What weft writes in a run directory before any step is trained.
+PRE_TRAINING_FILES = ("train.log", "metrics.jsonl", "tensorboard", "launches", *HF_TOKENIZER_FILES)
+
+
+def _value(config: Any, dotted: str) -> Any:
+    """config["a"]["b"] for "a.b"; None where absent."""
+    for part in dotted.split("."):
+        if not isinstance(config, dict):
+            return None
+        config = config.get(part)
+    return config
+
+
+def resume_changes(saved: dict[str, Any] | None, current: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(schedule changes, other changes) between the config a checkpoint was saved with and the one
+    resuming it, each as 'training.lr 0.003 -> 0.001'; nothing when the checkpoint records no config."""
+    if saved is None:
+        return [], []
+
+    def changed(keys: tuple[str, ...]) -> list[str]:
+        return [
+            f"{key} {_value(saved, key)} -> {_value(current, key)}"
+            for key in keys
+            if _value(saved, key) != _value(current, key)
+        ]
+
+    return changed(tuple(f"training.{k}" for k in SCHEDULE_KEYS)), changed(RECIPE_KEYS)
+
+
+def shown(path: Path) -> str:
+    """A path as a user would type it: relative to the working directory when inside it (symbolic links
+    kept: a virtual environment's python is one)."""
+    absolute = Path(os.path.abspath(path))
+    try:
+        return str(absolute.relative_to(Path.cwd()))
+    except ValueError:
+        return str(absolute)
+
+
+def resume_command(run_dir: Path) -> str:
+    """The command line that resumes this run: this launch's own, pinned to its run directory."""
+    overrides = [arg for arg in sys.argv[1:] if not arg.startswith("hydra.run.dir=")]
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if world > 1:
+        nodes = [f"--nnodes={world // local}"] if world != local else []
+        launcher = ["torchrun", *nodes, f"--nproc_per_node={local}"]
+    else:
+        launcher = [shown(Path(sys.executable))]
+    return shlex.join([*launcher, sys.argv[0], *overrides, f"hydra.run.dir={shown(run_dir)}"])
+
+
+def trained_any(run_dir: Path) -> bool:
+    metrics = run_dir / "metrics.jsonl"
+    return bool(list_checkpoints(run_dir)) or (metrics.is_file() and metrics.stat().st_size > 0)
+
+
+class LaunchRecord:
+    """This launch's config files (`subdir` of the run directory, None where Hydra writes none) and
+    whether the launch has trained a step (set by the training loop)."""
+
+    def __init__(self, run_dir: Path, subdir: str | None) -> None:
+        self.run_dir = run_dir
+        self.files = run_dir / subdir if subdir else None
+        self.trained = False
+
+    def forget(self) -> None:
+        """Undo a launch that failed before its first step: remove its record and, if the run
+        directory never trained, weft's files there and the directory itself when nothing else is."""
+        if self.files is not None:
+            shutil.rmtree(self.files, ignore_errors=True)
+            _remove_if_empty(self.files.parent)
+        if trained_any(self.run_dir):
+            return
+        for name in PRE_TRAINING_FILES:
+            path = self.run_dir / name
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            elif path.exists():
+                path.unlink()
+        _remove_if_empty(self.run_dir)
+
+
+def _remove_if_empty(directory: Path) -> None:
+    if directory.is_dir() and not any(directory.iterdir()):
+        directory.rmdir()
