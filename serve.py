@@ -22,7 +22,6 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from torch.distributed.device_mesh import DeviceMesh
 
-from benchmarks.common import environment, markdown_table
 from configs.launch import launch
 from configs.schema import ServeConfig
 from model.args import ModelArgs
@@ -35,7 +34,7 @@ from parallel import distributed
 from parallel.checkpoint import materialize
 from parallel.mesh import build_mesh, validate_comm_ops, validate_decode_graphs, validate_model
 from parallel.parallelize import ParallelizeConfig, fp8_decode_hooks, parallelize_llama
-from train import resolve_device
+from report import environment, markdown_table
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -163,7 +162,7 @@ def benchmark_decode(
 
 
 def run(cfg: ServeConfig, run_dir: Path) -> None:
-    device = resolve_device(cfg.device)
+    device = distributed.resolve_device(cfg.device)
     dims = distributed.validate_parallel(cfg.parallel, distributed.world_size(), device)
     validate_comm_ops(dims, training=False)
     validate_decode_graphs(dims, cfg.cuda_graphs and device.type == "cuda")

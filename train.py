@@ -54,18 +54,6 @@ from parallel.parallelize import (
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
 
 
-def resolve_device(name: str) -> torch.device:
-    """auto | cpu | cuda -> this rank's device (under torchrun, the GPU parallel.distributed gave it)."""
-    if name not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device={name!r} is not one of auto, cpu, cuda")
-    has_gpu = torch.cuda.is_available()
-    if name == "auto":
-        name = "cuda" if has_gpu else "cpu"
-    if name == "cuda" and not has_gpu:
-        raise ValueError("device=cuda but no CUDA GPU is visible: use device=cpu")
-    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device("cpu")
-
-
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
@@ -156,7 +144,7 @@ def train_step(
 
 
 def run(cfg: TrainConfig, run_dir: Path) -> None:
-    device = resolve_device(cfg.device)
+    device = distributed.resolve_device(cfg.device)
     args: ModelArgs = OmegaConf.to_object(cfg.model)
     t = cfg.training
     world, rank = distributed.world_size(), distributed.rank()
