@@ -31,8 +31,8 @@ from model.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from model.data import build_dataset, load_documents
 from model.hf import export_hf
 from model.llama import Llama
-from model.loading import resolve_init_weights, tokenizer_dir
-from model.tokenizer import load_tokenizer, save_tokenizer
+from model.loading import checkpoint_tokenizer, resolve_init_weights
+from model.tokenizer import save_tokenizer
 from parallel import distributed
 from parallel.checkpoint import (
     full_model_state,
@@ -167,7 +167,7 @@ def run(cfg: TrainConfig, run_dir: Path) -> None:
     if dims.cp > 1:
         cp_rank, cp_len = mesh["cp"].get_local_rank(), t.seq_len // dims.cp
         cp_chunk = slice(cp_rank * cp_len, (cp_rank + 1) * cp_len)
-    tokenizer = load_tokenizer(tokenizer_dir(init_path))
+    tokenizer = checkpoint_tokenizer(init_path)
     if tokenizer.vocab_size > args.vocab_size:
         raise ValueError(
             f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size={args.vocab_size}: "
