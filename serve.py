@@ -184,17 +184,17 @@ def prepare_completion(cfg: ServeConfig, checkpoint: Path | None, args: ModelArg
     directory = tokenizer_dir(checkpoint)
     tokenizer = checkpoint_tokenizer(checkpoint)
     if cfg.chat or cfg.messages is not None:
+        messages = (
+            read_messages(cfg.messages)
+            if cfg.messages is not None
+            else [{"role": "user", "content": cfg.prompt}]
+        )
         template = load_chat_template(directory) if isinstance(tokenizer, HFTokenizer) else None
         if template is None:
             where = directory if isinstance(tokenizer, HFTokenizer) else "weft's byte tokenizer"
             raise ValueError(
                 f"chat=true but the tokenizer ({where}) has no chat template: {CHAT_TEMPLATE_HELP}"
             )
-        messages = (
-            read_messages(cfg.messages)
-            if cfg.messages is not None
-            else [{"role": "user", "content": cfg.prompt}]
-        )
         text = render_chat(template, messages, tokenizer.special_tokens)
         ids, echo = tokenizer.encode_prompt(text, special_tokens=False), ""
     else:

@@ -13,27 +13,24 @@ CHAT_TEMPLATE_HELP = "give a plain prompt (chat=false) or a checkpoint whose tok
 
 
 def load_chat_template(directory: Path | None) -> str | None:
-    """The default chat template a tokenizer directory holds, looked up where transformers looks:
-    chat_template.jinja, chat_template.json, then tokenizer_config.json's `chat_template` (a string, or
-    a list of named templates of which "default" is used). None when there is none."""
+    """The default chat template of a tokenizer directory, where AutoTokenizer finds it:
+    chat_template.jinja, else tokenizer_config.json's `chat_template` (a string, or a list of named
+    templates of which "default" is used). None when there is none."""
     if directory is None:
         return None
     if (directory / "chat_template.jinja").is_file():
         return (directory / "chat_template.jinja").read_text()
-    for name in ("chat_template.json", "tokenizer_config.json"):
-        path = directory / name
-        template = json.loads(path.read_text()).get("chat_template") if path.is_file() else None
-        if isinstance(template, list):
-            named = {entry.get("name"): entry.get("template") for entry in template}
-            if "default" not in named:
-                raise ValueError(
-                    f"{path} holds chat templates named {', '.join(map(str, named))} but none named "
-                    f"'default': name one 'default', or {CHAT_TEMPLATE_HELP}"
-                )
-            template = named["default"]
-        if template is not None:
-            return template
-    return None
+    config = directory / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    if isinstance(template, list):
+        named = {entry.get("name"): entry.get("template") for entry in template}
+        if "default" not in named:
+            raise ValueError(
+                f"{config} holds chat templates named {', '.join(map(str, named))} but none named "
+                f"'default': name one 'default', or {CHAT_TEMPLATE_HELP}"
+            )
+        template = named["default"]
+    return template if isinstance(template, str) else None
 
 
 def read_messages(path: str | Path) -> list[dict]:

@@ -22,31 +22,30 @@ class Sampling:
     top_k: int = 0
     top_p: float = 1.0
 
-    def validate(self, source: str = "") -> None:
-        """ValueError naming the bad setting; `source` says where the values came from."""
-        where = f" ({source})" if source else ""
+    def validate(self, sources: dict[str, str] | None = None) -> None:
+        """ValueError naming the bad setting and, from `sources`, where its value came from."""
+        where = lambda key: f" ({sources[key]})" if sources and key in sources else ""
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(
-                f"temperature={self.temperature}{where} must be >= 0: set temperature (0 is greedy)"
+                f"temperature={self.temperature}{where('temperature')} must be >= 0: set temperature "
+                "(0 is greedy)"
             )
         if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k}{where} must be >= 0: set top_k (0 keeps every token)")
+            raise ValueError(
+                f"top_k={self.top_k}{where('top_k')} must be >= 0: set top_k (0 keeps every token)"
+            )
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p}{where} is outside (0, 1]: set top_p (1 keeps every token)")
+            raise ValueError(
+                f"top_p={self.top_p}{where('top_p')} is outside (0, 1]: set top_p (1 keeps every token)"
+            )
 
 
-def sample(
-    logits: torch.Tensor,
-    temperature: float,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    generator: torch.Generator | None = None,
+def sample_logits(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
 ) -> torch.Tensor:
-    """Next token per row of logits [B, V] as `Sampling` describes; temperature, top-k and top-p are
-    applied in transformers' order and with its rules (ties at the k-th logit kept; top-p keeps the
-    most likely token and drops the least likely ones whose summed probability is <= 1 - top_p)."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1)
+    """Logits [B, V] / temperature (> 0), -inf outside the top_k most likely tokens and then outside
+    top_p: transformers' warpers in its order and with its rules (ties at the k-th logit kept; top-p
+    keeps the most likely token and drops the least likely ones whose probabilities sum to <= 1 - top_p)."""
     logits = logits.float() / temperature
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
@@ -56,7 +55,20 @@ def sample(
         drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
         drop[..., -1] = False
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next token per row of logits [B, V] as `Sampling` describes (a draw from `sample_logits`)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(sample_logits(logits, temperature, top_k, top_p), dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 

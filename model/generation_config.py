@@ -44,7 +44,6 @@ def resolve_sampling(
     defaults = default_sampling(directory)
     given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     sampling = Sampling(**{k: getattr(defaults, k) if v is None else v for k, v in given.items()})
-    from_file = [k for k, v in given.items() if v is None and getattr(sampling, k) != getattr(Sampling(), k)]
-    source = f"{', '.join(from_file)} from {directory / 'generation_config.json'}" if from_file else ""
-    sampling.validate(source)
+    sources = {k: f"from {directory / 'generation_config.json'}" for k, v in given.items() if v is None}
+    sampling.validate(sources)
     return sampling

@@ -11,13 +11,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 # What a run directory keeps of a Hugging Face model besides its weights: the tokenizer, its chat
-# template (chat_template.jinja, or chat_template.json in older saves) and the generation defaults.
+# template (chat_template.jinja, else inside tokenizer_config.json) and the generation defaults.
 HF_TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "chat_template.jinja",
-    "chat_template.json",
     "generation_config.json",
 )
 # Where a Hugging Face directory may name its begin/end tokens, in the order they are consulted.
@@ -36,6 +35,7 @@ class ByteTokenizer:
     bos_id = 256
     eos_id = 257
     vocab_size = 258
+    byte_fallback_ids: frozenset[int] = frozenset()  # (its bytes decode as one UTF-8 text, see TextStream)
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         return [self.bos_id] * bos + list(text.encode("utf-8")) + [self.eos_id] * eos
@@ -115,6 +115,10 @@ class HFTokenizer:
             raise FileNotFoundError(f"{file} does not exist: a Hugging Face tokenizer needs tokenizer.json")
         self.tokenizer = Tokenizer.from_file(str(file))
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
+        # SentencePiece-style byte fallback: tokens <0x00>..<0xFF> spell characters the vocabulary lacks.
+        byte_fallback = json.loads(file.read_text())["model"].get("byte_fallback", False)
+        byte_ids = (self.tokenizer.token_to_id(f"<0x{b:02X}>") for b in range(256)) if byte_fallback else ()
+        self.byte_fallback_ids = frozenset(i for i in byte_ids if i is not None)
         self.bos_id = self._special_id("bos")
         self.eos_id = self._special_id("eos")
         config = read_json(self.directory / "tokenizer_config.json")
@@ -211,8 +215,10 @@ class TextStream:
     what decoding the whole sequence adds to the decoded prompt.
 
     Each piece is decoded together with a few tokens before it (a SentencePiece decoder drops the
-    leading space of a text, so a token decoded alone may lose the space that precedes it), and held
-    back while it ends in an incomplete UTF-8 character (U+FFFD). Costs a few tokens' decoding per token."""
+    leading space of a text, so a token decoded alone may lose the space that precedes it). A piece is
+    held back while it ends in an incomplete UTF-8 character (U+FFFD) or in a byte-fallback token: the
+    decoder turns a whole run of byte tokens into U+FFFDs when the run is not valid UTF-8, so a byte
+    may still change the text of the bytes before it. Costs a few tokens' decoding per token."""
 
     CONTEXT = 5  # tokens decoded in front of the new ones
 
@@ -228,8 +234,10 @@ class TextStream:
         return text[len(prefix) :]
 
     def push(self, token_id: int) -> str:
-        """The text `token_id` completes ('' while a character is still incomplete)."""
+        """The text `token_id` completes ('' while it is held back)."""
         self.ids.append(token_id)
+        if token_id in self.tokenizer.byte_fallback_ids:
+            return ""
         piece = self._pending()
         if not piece or piece.endswith("\ufffd"):
             return ""
@@ -237,7 +245,7 @@ class TextStream:
         return piece
 
     def flush(self) -> str:
-        """What is still held back at the end of the completion (an incomplete character's U+FFFD)."""
+        """What is still held back at the end of the completion."""
         piece = self._pending()
         self.prefix_start = self.read_start = len(self.ids)
         return piece
