@@ -2,7 +2,7 @@
 
     python serve.py                                          # decode benchmark, debug preset, random weights
     python serve.py mode=bench model=llama3_8b               # on a GPU: bf16 with the roofline beside it
-    python serve.py mode=generate checkpoint=runs/train/X prompt="def fib(n):"
+    python serve.py mode=generate checkpoint=runs/train/X prompt="'def fib(n):'"
     python serve.py checkpoint=/path/to/Llama-3.1-8B mode=generate   # a Hugging Face directory
     python serve.py checkpoint=/path/to/Llama-3.1-8B-Instruct mode=generate chat=true prompt="Hi"
     python serve.py -m batch_size=1,8,32                     # one benchmark per batch size
@@ -238,12 +238,12 @@ def stream_completion(model: Llama, completion: Completion, cfg: ServeConfig, de
     first = start
     new = 0
     for token in steps:
-        piece = text.push(token.item())  # .item() waits for the token: the timings below are real
+        token_id = token.item()  # waits for the token: the timings below are real
         new += 1
         if new == 1:
             first = time.perf_counter()
-        if is_main and piece:
-            print(piece, end="", flush=True)
+        if is_main:
+            print(text.push(token_id), end="", flush=True)
     end = time.perf_counter()
     if is_main:
         print(text.flush(), flush=True)

@@ -410,3 +410,46 @@ def test_serve_tensor_parallel_plain_prompt(tmp_path: Path) -> None:
     done = serve(checkpoint, tmp_path / "run", f"prompt={prompt}", tp=2)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout == prompt + text + "\n"
+
+
+def test_init_from_and_export_keep_tokenizer_template_and_generation_config(tmp_path: Path) -> None:
+    """train.py from a Hugging Face directory: the run directory and its export encode, render chats,
+    stop and sample as the source does, in weft and in transformers."""
+    source = tmp_path / "source"
+    tiny_reference("llama3").save_pretrained(source)
+    write_tokenizer_dir(source, "llama3")
+    generation = {"eos_token_id": [1, 2], "do_sample": True, "temperature": 0.6, "top_p": 0.9}
+    (source / "generation_config.json").write_text(json.dumps(generation))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(CORPUS * 4))
+    run = tmp_path / "run"
+    done = run_script(
+        "train.py",
+        f"checkpoint.init_from={source}",
+        f"data.path={corpus}",
+        "checkpoint.export_hf=true",
+        "training.steps=2",
+        "training.batch_size=2",
+        "training.seq_len=32",
+        "training.warmup_steps=1",
+        "logging.progress_bar=false",
+        "device=cpu",
+        f"hydra.run.dir={run}",
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    reference = transformers.AutoTokenizer.from_pretrained(source)
+    expected_chat = reference.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    for directory in (run, run / "hf"):
+        ours = HFTokenizer(directory)
+        theirs = transformers.AutoTokenizer.from_pretrained(directory) if directory != run else reference
+        for text in TEXTS:
+            assert ours.encode_prompt(text) == theirs(text)["input_ids"] == reference(text)["input_ids"]
+        chat = render_chat(load_chat_template(directory), MESSAGES, ours.special_tokens)
+        assert chat == expected_chat
+        assert (
+            theirs.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False) == expected_chat
+        )
+        assert stop_ids(directory, ours) == [2, 1]  # <|eot_id|>, then generation_config.json's
+        assert default_sampling(directory) == Sampling(temperature=0.6, top_k=50, top_p=0.9)
+    exported = transformers.GenerationConfig.from_pretrained(run / "hf")
+    assert (exported.eos_token_id, exported.do_sample, exported.top_p) == ([1, 2], True, 0.9)
