@@ -102,9 +102,13 @@ class HFTokenizer:
     generation_config.json or special_tokens_map.json (the first that names one the vocabulary has),
     else from the usual special tokens (Llama-3's <|begin_of_text|> / <|end_of_text|>, <s> / </s>).
 
-    Prompts are encoded as transformers (v5) encodes them: the specials tokenizer.json's post-processor
-    adds and no others, whatever `bos_token` a config names. Checkpoints that transformers wrote keep
-    `add_bos_token` and that post-processor in agreement (v4 rebuilt one from the other)."""
+    Prompts are encoded as transformers encodes them: through tokenizer.json's pipeline, with the
+    specials its post-processor adds and no others, whatever `bos_token` a config names (checkpoints
+    that transformers wrote keep `add_bos_token` and that post-processor in agreement). One known
+    difference: transformers 5 rebuilds the pre-tokenizer of some model-specific classes (LlamaTokenizer
+    among them) from its own code, so a tokenizer.json saved before version 5 with another pipeline
+    (Llama-2's Prepend/Replace normalizer) can encode a text that starts with a space, or that follows a
+    special token, differently there; transformers 4 and weft follow the file."""
 
     def __init__(self, directory: str | Path) -> None:
         from tokenizers import Tokenizer

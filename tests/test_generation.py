@@ -453,3 +453,16 @@ def test_init_from_and_export_keep_tokenizer_template_and_generation_config(tmp_
         assert default_sampling(directory) == Sampling(temperature=0.6, top_k=50, top_p=0.9)
     exported = transformers.GenerationConfig.from_pretrained(run / "hf")
     assert (exported.eos_token_id, exported.do_sample, exported.top_p) == ([1, 2], True, 0.9)
+
+
+def test_entry_points_share_helpers_from_below() -> None:
+    """serve.py imports neither benchmarks/ nor train.py: shared helpers live in modules both use."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent
+    tree = ast.parse((root / "serve.py").read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {
+        alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    }
+    assert not {name for name in imported if name and name.split(".")[0] in ("benchmarks", "train")}
