@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from configs.launch import launch
 from configs.schema import ServeConfig
 from model.args import ModelArgs
-from model.chat import CHAT_TEMPLATE_HELP, load_chat_template, read_messages, render_chat
+from model.chat import load_chat_template, read_messages, render_chat
 from model.fp8 import check_fp8_device, convert_to_fp8
 from model.generate import DecodeStep, Sampling, decode_tokens, prefill
 from model.generation_config import resolve_sampling, stop_ids
@@ -189,11 +189,17 @@ def prepare_completion(cfg: ServeConfig, checkpoint: Path | None, args: ModelArg
             if cfg.messages is not None
             else [{"role": "user", "content": cfg.prompt}]
         )
-        template = load_chat_template(directory) if isinstance(tokenizer, HFTokenizer) else None
-        if template is None:
-            where = directory if isinstance(tokenizer, HFTokenizer) else "weft's byte tokenizer"
+        if not isinstance(tokenizer, HFTokenizer):
             raise ValueError(
-                f"chat=true but the tokenizer ({where}) has no chat template: {CHAT_TEMPLATE_HELP}"
+                "chat=true but the tokenizer (weft's byte tokenizer) has no chat template: "
+                "give a plain prompt (chat=false)"
+            )
+        template = load_chat_template(directory)
+        if template is None:
+            raise ValueError(
+                f"chat=true but the tokenizer ({directory}) has no chat template: add the model's "
+                "chat_template.jinja (or tokenizer_config.json's chat_template), or give a plain prompt "
+                "(chat=false)"
             )
         text = render_chat(template, messages, tokenizer.special_tokens)
         ids, echo = tokenizer.encode_prompt(text, special_tokens=False), ""

@@ -9,8 +9,6 @@ from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
-CHAT_TEMPLATE_HELP = "give a plain prompt (chat=false) or a checkpoint whose tokenizer has a chat template"
-
 
 def load_chat_template(directory: Path | None) -> str | None:
     """The default chat template of a tokenizer directory, where AutoTokenizer finds it:
@@ -27,7 +25,7 @@ def load_chat_template(directory: Path | None) -> str | None:
         if "default" not in named:
             raise ValueError(
                 f"{config} holds chat templates named {', '.join(map(str, named))} but none named "
-                f"'default': name one 'default', or {CHAT_TEMPLATE_HELP}"
+                "'default': name one 'default', or give a plain prompt (chat=false)"
             )
         template = named["default"]
     return template if isinstance(template, str) else None
