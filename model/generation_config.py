@@ -44,6 +44,9 @@ def resolve_sampling(
     defaults = default_sampling(directory)
     given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
     sampling = Sampling(**{k: getattr(defaults, k) if v is None else v for k, v in given.items()})
-    sources = {k: f"from {directory / 'generation_config.json'}" for k, v in given.items() if v is None}
+    file = directory / "generation_config.json" if directory is not None else None
+    sources = {
+        k: f"from {file}" for k, v in given.items() if v is None and file is not None and file.is_file()
+    }
     sampling.validate(sources)
     return sampling

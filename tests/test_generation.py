@@ -264,6 +264,9 @@ def test_stop_ids_and_sampling_defaults_from_files(tmp_path: Path) -> None:
     assert resolve_sampling(directory, None, 0, None) == Sampling(0.6, 0, 0.9)
     assert resolve_sampling(directory, 0.0, None, None).temperature == 0
     assert default_sampling(tmp_path / "nothing") == Sampling() == default_sampling(None)
+    assert resolve_sampling(None, None, None, None) == Sampling()  # random weights, no directory
+    with pytest.raises(ValueError, match=r"^top_k=-1 must be >= 0"):
+        resolve_sampling(None, None, -1, None)
     for top_p in (0.0, 1.5, -0.1):
         with pytest.raises(ValueError, match=rf"top_p={top_p} is outside \(0, 1\]"):
             resolve_sampling(directory, None, None, top_p)
