@@ -2,8 +2,9 @@
 
     python serve.py                                          # decode benchmark, debug preset, random weights
     python serve.py mode=bench model=llama3_8b               # on a GPU: bf16 with the roofline beside it
-    python serve.py mode=generate checkpoint=runs/train/X prompt="def fib(n):"
+    python serve.py mode=generate checkpoint=runs/train/X prompt="'def fib(n):'"
     python serve.py checkpoint=/path/to/Llama-3.1-8B mode=generate   # a Hugging Face directory
+    python serve.py checkpoint=/path/to/Llama-3.1-8B-Instruct mode=generate chat=true prompt="Hi"
     python serve.py -m batch_size=1,8,32                     # one benchmark per batch size
     torchrun --nproc_per_node=4 serve.py parallel.tp=4 model=llama3_8b   # tensor parallel decode
 
@@ -13,7 +14,9 @@ Every key is listed, typed and documented in configs/schema.py.
 from __future__ import annotations
 
 import json
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -22,22 +25,23 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from torch.distributed.device_mesh import DeviceMesh
 
-from benchmarks.common import environment, markdown_table
 from configs.launch import launch, user_errors
 from configs.schema import ServeConfig
 from configs.validate import SERVE_DTYPES, validate_serve_config
 from model.args import ModelArgs
+from model.chat import load_chat_template, read_messages, render_chat
 from model.fp8 import check_fp8_device, convert_to_fp8
-from model.generate import DecodeStep, generate, prefill
+from model.generate import DecodeStep, Sampling, decode_tokens, prefill
+from model.generation_config import resolve_sampling, stop_ids
 from model.llama import Llama
-from model.loading import resolve_init_weights, tokenizer_dir
+from model.loading import checkpoint_tokenizer, resolve_init_weights, tokenizer_dir
 from model.memory import check_serving_fits
-from model.tokenizer import load_tokenizer
+from model.tokenizer import HFTokenizer, TextStream, Tokenizer
 from parallel import distributed
 from parallel.checkpoint import materialize
 from parallel.mesh import build_mesh, validate_comm_ops, validate_decode_graphs, validate_model
 from parallel.parallelize import ParallelizeConfig, fp8_decode_hooks, parallelize_llama
-from train import resolve_device
+from report import environment, markdown_table
 
 DTYPES = {name: getattr(torch, name) for name in SERVE_DTYPES}
 
@@ -165,9 +169,105 @@ def benchmark_decode(
     return row
 
 
+@dataclass
+class Completion:
+    """What mode=generate decodes, prepared (and checked) before the model is built."""
+
+    tokenizer: Tokenizer
+    prompt_ids: list[int]
+    # Printed before the completion: the prompt's text (nothing for a chat, whose template is not echoed).
+    echo: str
+    sampling: Sampling
+    stop_ids: list[int]
+
+
+def prepare_completion(cfg: ServeConfig, checkpoint: Path | None, args: ModelArgs) -> Completion:
+    """The prompt's ids as transformers' tokenizer gives them (a chat rendered through the checkpoint's
+    template first), the sampling settings and the stop ids; ValueError for any bad input."""
+    directory = tokenizer_dir(checkpoint)
+    tokenizer = checkpoint_tokenizer(checkpoint)
+    if cfg.chat or cfg.messages is not None:
+        messages = (
+            read_messages(cfg.messages)
+            if cfg.messages is not None
+            else [{"role": "user", "content": cfg.prompt}]
+        )
+        if not isinstance(tokenizer, HFTokenizer):
+            raise ValueError(
+                "chat=true but the tokenizer (weft's byte tokenizer) has no chat template: "
+                "give a plain prompt (chat=false)"
+            )
+        template = load_chat_template(directory)
+        if template is None:
+            raise ValueError(
+                f"chat=true but the tokenizer ({directory}) has no chat template: add the model's "
+                "chat_template.jinja (or tokenizer_config.json's chat_template), or give a plain prompt "
+                "(chat=false)"
+            )
+        text = render_chat(template, messages, tokenizer.special_tokens)
+        ids, echo = tokenizer.encode_prompt(text, special_tokens=False), ""
+    else:
+        ids, echo = tokenizer.encode_prompt(cfg.prompt), cfg.prompt
+    if not ids:
+        raise ValueError("the prompt encodes to no tokens: give a non-empty prompt")
+    if max(ids) >= args.vocab_size:
+        raise ValueError(
+            f"the prompt holds token id {max(ids)}, outside the model's vocabulary of {args.vocab_size}: "
+            "the tokenizer does not match the model"
+        )
+    if len(ids) + cfg.max_new_tokens > args.max_seq_len:
+        raise ValueError(
+            f"prompt ({len(ids)} tokens) + max_new_tokens={cfg.max_new_tokens} exceeds model.max_seq_len="
+            f"{args.max_seq_len}: shorten the prompt or lower max_new_tokens"
+        )
+    sampling = resolve_sampling(directory, cfg.temperature, cfg.top_k, cfg.top_p)
+    return Completion(tokenizer, ids, echo, sampling, stop_ids(directory, tokenizer))
+
+
+def stream_completion(model: Llama, completion: Completion, cfg: ServeConfig, device: torch.device) -> None:
+    """Decode the completion, rank 0 printing its text as the tokens arrive (after the echoed prompt),
+    then a line of figures on stderr: prompt and new tokens, time to first token, decode tokens/s."""
+    is_main = distributed.rank() == 0
+    generator = torch.Generator(device).manual_seed(cfg.seed)
+    prompt = torch.tensor([completion.prompt_ids], device=device)
+    text = TextStream(completion.tokenizer, completion.prompt_ids)
+    steps = decode_tokens(
+        model,
+        prompt,
+        cfg.max_new_tokens,
+        completion.sampling,
+        completion.stop_ids,
+        cfg.cuda_graphs,
+        cfg.compile,
+        generator,
+    )
+    if is_main:
+        print(completion.echo, end="", flush=True)
+    start = time.perf_counter()
+    first = start
+    new = 0
+    for token in steps:
+        token_id = token.item()  # waits for the token: the timings below are real
+        new += 1
+        if new == 1:
+            first = time.perf_counter()
+        if is_main:
+            print(text.push(token_id), end="", flush=True)
+    end = time.perf_counter()
+    if is_main:
+        print(text.flush(), flush=True)
+        decode = f"{(new - 1) / (end - first):.1f} tokens/s" if new > 1 else "n/a"
+        print(
+            f"[{len(completion.prompt_ids)} prompt tokens, {new} new tokens, "
+            f"time to first token {(first - start) * 1e3:.0f} ms, decode {decode}]",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def run(cfg: ServeConfig, run_dir: Path) -> None:
     validate_serve_config(cfg)
-    device = resolve_device(cfg.device)
+    device = distributed.resolve_device(cfg.device)
     dims = distributed.validate_parallel(cfg.parallel, distributed.world_size(), device)
     validate_comm_ops(dims, training=False)
     validate_decode_graphs(dims, cfg.cuda_graphs and device.type == "cuda")
@@ -180,48 +280,29 @@ def run(cfg: ServeConfig, run_dir: Path) -> None:
     torch.manual_seed(cfg.seed)
     checkpoint, args = resolve_init_weights(cfg.checkpoint, OmegaConf.to_object(cfg.model))
     validate_model(dims, args, training=False)
-    if cfg.mode == "bench":
+    completion = prepare_completion(cfg, checkpoint, args) if cfg.mode == "generate" else None
+    if completion is None:
         if cfg.prompt_len + cfg.decode_steps > args.max_seq_len:
             raise ValueError(
                 f"prompt_len + decode_steps = {cfg.prompt_len + cfg.decode_steps} exceeds model.max_seq_len="
                 f"{args.max_seq_len}: lower them"
             )
         batch, prompt_len, cache_len = cfg.batch_size, cfg.prompt_len, cfg.prompt_len + cfg.decode_steps
-    else:  # (a prompt holds at most one token per byte, and BOS)
-        batch, prompt_len = 1, min(args.max_seq_len, len(cfg.prompt.encode()) + 1)
-        cache_len = min(args.max_seq_len, prompt_len + cfg.max_new_tokens)
+    else:
+        batch, prompt_len = 1, len(completion.prompt_ids)
+        cache_len = prompt_len + cfg.max_new_tokens
     check_serving_fits(args, dims.tp, cfg.dtype, batch, prompt_len, cache_len, device)
     mesh = build_mesh(dims, device.type) if dims.tp > 1 else None
     model = build_model(args, checkpoint, device, dtype, mesh, dims.comm)
-    is_main = distributed.rank() == 0
 
-    if cfg.mode == "generate":
-        tokenizer = load_tokenizer(tokenizer_dir(checkpoint))
-        ids = tokenizer.encode(cfg.prompt, bos=True)
-        if len(ids) + cfg.max_new_tokens > args.max_seq_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_new_tokens={cfg.max_new_tokens} exceeds model.max_seq_len="
-                f"{args.max_seq_len}: shorten the prompt or lower max_new_tokens"
-            )
-        prompt = torch.tensor([ids], device=device)
-        new = generate(
-            model,
-            prompt,
-            cfg.max_new_tokens,
-            cfg.temperature,
-            cfg.top_k,
-            tokenizer.eos_id,
-            cfg.cuda_graphs,
-            cfg.compile,
-        )
-        if is_main:
-            print(cfg.prompt + tokenizer.decode(new[0].tolist()))
+    if completion is not None:
+        stream_completion(model, completion, cfg, device)
         return
 
     row = benchmark_decode(
         model, cfg.batch_size, cfg.prompt_len, cfg.decode_steps, cfg.cuda_graphs, device, cfg.compile
     )
-    if is_main:
+    if distributed.rank() == 0:
         table = markdown_table([row])
         print(table)
         (run_dir / "bench.json").write_text(json.dumps({**environment(), "rows": [row]}, indent=2))

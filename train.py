@@ -38,9 +38,9 @@ from model.checkpoint import load_checkpoint, load_newest_intact, save_checkpoin
 from model.data import build_dataset, load_documents
 from model.hf import export_hf
 from model.llama import Llama
-from model.loading import resolve_init_weights, tokenizer_dir
+from model.loading import checkpoint_tokenizer, resolve_init_weights
 from model.memory import check_training_fits
-from model.tokenizer import load_tokenizer, save_tokenizer
+from model.tokenizer import save_tokenizer
 from parallel import distributed
 from parallel.checkpoint import (
     full_model_state,
@@ -65,18 +65,6 @@ log = logging.getLogger("train")
 
 # Dense bf16 tensor-core peaks (FLOP/s), for MFU.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
-
-
-def resolve_device(name: str) -> torch.device:
-    """auto | cpu | cuda -> this rank's device (under torchrun, the GPU parallel.distributed gave it)."""
-    if name not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device={name!r} is not one of auto, cpu, cuda")
-    has_gpu = torch.cuda.is_available()
-    if name == "auto":
-        name = "cuda" if has_gpu else "cpu"
-    if name == "cuda" and not has_gpu:
-        raise ValueError("device=cuda but no CUDA GPU is visible: use device=cpu")
-    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device("cpu")
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -218,7 +206,7 @@ def check_resume_config(
 
 def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: StopRequest) -> None:
     validate_train_config(cfg)
-    device = resolve_device(cfg.device)
+    device = distributed.resolve_device(cfg.device)
     args: ModelArgs = OmegaConf.to_object(cfg.model)
     t = cfg.training
     world, rank = distributed.world_size(), distributed.rank()
@@ -245,7 +233,7 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
     if dims.cp > 1:
         cp_rank, cp_len = mesh["cp"].get_local_rank(), t.seq_len // dims.cp
         cp_chunk = slice(cp_rank * cp_len, (cp_rank + 1) * cp_len)
-    tokenizer = load_tokenizer(tokenizer_dir(init_path))
+    tokenizer = checkpoint_tokenizer(init_path)
     if tokenizer.vocab_size > args.vocab_size:
         raise ValueError(
             f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size={args.vocab_size}: "

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import init_gpu_ranks, markdown_table, time_ranks, write_results
+from benchmarks.common import init_gpu_ranks, time_ranks, write_results
 from kernels.all_to_all import (
     DEFAULT_TIMEOUT_S,
     check,
@@ -43,6 +43,7 @@ from kernels.all_to_all import (
     seq_to_heads,
     seq_to_heads_reference,
 )
+from report import markdown_table
 
 DIM = 128
 DTYPE = torch.bfloat16

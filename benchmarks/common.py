@@ -6,16 +6,16 @@ Every benchmark prints a markdown table and writes `benchmarks/results/<name>-<d
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import os
-import platform
 import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from report import environment, markdown_table
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -30,28 +30,6 @@ def device_name(gpus: int | None = None) -> str:
     if gpus is None:
         gpus = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     return f"{chip}-x{gpus}" if gpus > 1 else chip
-
-
-def environment() -> dict[str, str]:
-    """Versions and device, recorded beside every result."""
-    env = {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "device": torch.cuda.get_device_name()
-        if torch.cuda.is_available()
-        else platform.processor() or "cpu",
-    }
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        pass
-    if torch.cuda.is_available():
-        env["cuda"] = str(torch.version.cuda)
-        env["gpus"] = str(torch.cuda.device_count())
-    return env
 
 
 def pyplot():
@@ -155,20 +133,6 @@ def time_ranks(fn: Callable[[], object], iters: int, reps: int = 1) -> float:
     torch.cuda.synchronize()
     dist.barrier()
     return slowest(time_events(run, iters=iters, warmup=3) / reps)
-
-
-def markdown_table(rows: Sequence[dict[str, object]]) -> str:
-    """Rows of equal keys as a markdown table; floats printed with 4 significant digits."""
-    if not rows:
-        return "(no rows)\n"
-    keys = list(rows[0].keys())
-
-    def fmt(v: object) -> str:
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(fmt(r.get(k, "")) for k in keys) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
 
 
 def write_results(

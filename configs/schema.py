@@ -109,12 +109,25 @@ class ServeConfig:
     # A weft checkpoint (step directory or run directory) or a Hugging Face model directory;
     # None: random weights of the model preset.
     checkpoint: str | None = None
+    # generate: the text to complete, encoded as transformers' AutoTokenizer encodes it (its specials).
     prompt: str = "The Python language reference says"
+    # generate: send `prompt` as one user message through the checkpoint's chat template (rendered as
+    # transformers' apply_chat_template(..., add_generation_prompt=True) renders it).
+    chat: bool = False
+    # generate: a JSON file holding a list of {"role": ..., "content": ...} messages to send through the
+    # chat template instead of `prompt` (implies chat=true).
+    messages: str | None = None
+    # generate: new tokens at most; decoding also stops at any end id of the checkpoint (tokenizer,
+    # config.json and generation_config.json eos_token_id).
     max_new_tokens: int = 64
-    # 0 is greedy decoding.
-    temperature: float = 0.0
+    # Sampling (generate). Unset (null): the checkpoint's generation_config.json (its values when it sets
+    # do_sample, transformers' defaults top_k=50, top_p=1 for those it leaves out), else greedy.
+    # temperature 0 is greedy.
+    temperature: float | None = None
     # Sample from the k most likely tokens (0: all).
-    top_k: int = 0
+    top_k: int | None = None
+    # Then from the fewest most likely tokens whose probabilities sum to top_p, in (0, 1] (1: all).
+    top_p: float | None = None
     # Benchmark: sequences decoded together, prompt tokens before decoding, decode steps timed.
     batch_size: int = 1
     prompt_len: int = 128
@@ -125,6 +138,7 @@ class ServeConfig:
     compile: bool = False
     # Weights and activations dtype: bfloat16 | float16 | float32.
     dtype: str = "bfloat16"
+    # Seeds random weights and sampling: a run with the same seed samples the same completion.
     seed: int = 0
     device: str = "auto"
 

@@ -13,6 +13,7 @@ from dataclasses import fields, is_dataclass
 from omegaconf import DictConfig, OmegaConf
 
 from configs.schema import ServeConfig, TrainConfig
+from model.generate import Sampling
 
 TRAIN_DTYPES = ("bfloat16", "float32")
 SERVE_DTYPES = ("bfloat16", "float16", "float32")
@@ -103,11 +104,6 @@ def validate_serve_config(cfg: ServeConfig) -> None:
         one_of("mode", cfg.mode, SERVE_MODES),
         path_or_null("checkpoint", cfg.checkpoint),
         at_least("max_new_tokens", cfg.max_new_tokens, 1),
-        (
-            cfg.temperature >= 0 and math.isfinite(cfg.temperature),
-            f"temperature={cfg.temperature} must be >= 0 (0 is greedy decoding)",
-        ),
-        at_least("top_k", cfg.top_k, 0),
         at_least("batch_size", cfg.batch_size, 1),
         at_least("prompt_len", cfg.prompt_len, 1),
         at_least("decode_steps", cfg.decode_steps, 1),
@@ -115,3 +111,6 @@ def validate_serve_config(cfg: ServeConfig) -> None:
         between("seed", cfg.seed, 0, MAX_SEED),
     ]
     raise_first_failure(checks)
+    # The sampling values given here (None: generation_config.json's, checked when it is read).
+    given = {"temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p}
+    Sampling(**{key: value for key, value in given.items() if value is not None}).validate()

@@ -3,21 +3,73 @@ optionally captured in a CUDA graph (gpt-fast style)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
 import torch
 
 from model.llama import Llama
 
 
-def sample(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
-    """Next token per row of logits [B, V]: argmax when temperature is 0, else a draw from the
-    softmax of logits / temperature restricted to the top_k most likely tokens (0: all)."""
-    if temperature <= 0:
-        return logits.argmax(dim=-1)
+@dataclass
+class Sampling:
+    """How the next token is chosen. temperature 0 is greedy (argmax); otherwise a draw from
+    softmax(logits / temperature) over the top_k most likely tokens (0: all), narrowed to the fewest
+    whose probabilities sum to top_p (1: all)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def validate(self, sources: dict[str, str] | None = None) -> None:
+        """ValueError naming the bad setting and, from `sources`, where its value came from."""
+        where = lambda key: f" ({sources[key]})" if sources and key in sources else ""
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(
+                f"temperature={self.temperature}{where('temperature')} must be >= 0: set temperature "
+                "(0 is greedy)"
+            )
+        if self.top_k < 0:
+            raise ValueError(
+                f"top_k={self.top_k}{where('top_k')} must be >= 0: set top_k (0 keeps every token)"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(
+                f"top_p={self.top_p}{where('top_p')} is outside (0, 1]: set top_p (1 keeps every token)"
+            )
+
+
+def sample_logits(
+    logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0
+) -> torch.Tensor:
+    """Logits [B, V] / temperature (> 0), -inf outside the top_k most likely tokens and then outside
+    top_p: transformers' warpers in its order and with its rules (ties at the k-th logit kept; top-p
+    keeps the most likely token and drops the least likely ones whose probabilities sum to <= 1 - top_p)."""
     logits = logits.float() / temperature
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    return torch.multinomial(torch.softmax(logits, dim=-1), 1).squeeze(-1)
+    if top_p < 1:
+        ascending, order = torch.sort(logits, dim=-1)
+        drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+        drop[..., -1] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next token per row of logits [B, V] as `Sampling` describes (a draw from `sample_logits`)."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(sample_logits(logits, temperature, top_k, top_p), dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def register_weft_ops_with_inductor() -> None:
@@ -98,32 +150,50 @@ def check_tokens(tokens: torch.Tensor, vocab_size: int) -> None:
         )
 
 
-@torch.no_grad()
+def decode_tokens(
+    model: Llama,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    sampling: Sampling | None = None,
+    stop_ids: Sequence[int] = (),
+    cuda_graph: bool = True,
+    compile: bool = False,
+    generator: torch.Generator | None = None,
+) -> Iterator[torch.Tensor]:
+    """Complete prompt [B, S] token by token: yields each step's new tokens [B], up to `max_new_tokens`
+    steps, and stops after the step in which every row has produced one of `stop_ids` (that token is
+    yielded). `generator` makes sampling repeatable."""
+    s = sampling or Sampling()
+    check_tokens(prompt, model.args.vocab_size)
+    batch, prompt_len = prompt.shape
+    model.setup_caches(batch, prompt_len + max_new_tokens)
+    try:
+        step = DecodeStep(model, batch, prompt.device, cuda_graph, compile)
+        stops = torch.tensor(list(stop_ids), dtype=torch.long, device=prompt.device)
+        choose = lambda logits: sample(logits, s.temperature, s.top_k, s.top_p, generator)
+        token = choose(prefill(model, prompt))
+        finished = torch.isin(token, stops)
+        yield token
+        for pos in range(prompt_len, prompt_len + max_new_tokens - 1):
+            if bool(finished.all()):
+                break
+            token = choose(step(token, pos))
+            finished |= torch.isin(token, stops)
+            yield token
+    finally:
+        model.clear_caches()
+
+
 def generate(
     model: Llama,
     prompt: torch.Tensor,
     max_new_tokens: int,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    eos_id: int | None = None,
+    sampling: Sampling | None = None,
+    stop_ids: Sequence[int] = (),
     cuda_graph: bool = True,
     compile: bool = False,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Complete prompt [B, S] by up to `max_new_tokens` tokens; returns only the new tokens
-    [B, <= max_new_tokens] (stops early once every row has produced `eos_id`)."""
-    check_tokens(prompt, model.args.vocab_size)
-    batch, prompt_len = prompt.shape
-    model.setup_caches(batch, prompt_len + max_new_tokens)
-    step = DecodeStep(model, batch, prompt.device, cuda_graph, compile)
-    token = sample(prefill(model, prompt), temperature, top_k)
-    out = [token]
-    finished = token == eos_id if eos_id is not None else torch.zeros_like(token, dtype=torch.bool)
-    for pos in range(prompt_len, prompt_len + max_new_tokens - 1):
-        if bool(finished.all()):
-            break
-        token = sample(step(token, pos), temperature, top_k)
-        out.append(token)
-        if eos_id is not None:
-            finished |= token == eos_id
-    model.clear_caches()
-    return torch.stack(out, dim=1)
+    """The new tokens [B, <= max_new_tokens] of `decode_tokens`, all at once."""
+    steps = decode_tokens(model, prompt, max_new_tokens, sampling, stop_ids, cuda_graph, compile, generator)
+    return torch.stack(list(steps), dim=1)

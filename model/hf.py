@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 
 from model.args import ModelArgs, RopeScaling
 from model.checkpoint import read_tensors, state_mismatch
-from model.tokenizer import HFTokenizer, Tokenizer, save_tokenizer
+from model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, read_json, save_tokenizer
 
 LAYER_NAMES = {
     "self_attn.q_proj": "attention.wq",
@@ -245,7 +245,8 @@ def export_hf(
 ) -> Path:
     """Write a weft model (or its state dict) as a Hugging Face Llama directory that `transformers`
     loads: config.json, generation_config.json, safetensors (sharded with an index above
-    `max_shard_bytes`) and the tokenizer's files. Atomic: written in a temporary directory, then
+    `max_shard_bytes`) and the tokenizer's files (a tokenizer.json of the byte tokenizer, so that
+    transformers encodes as weft does). Atomic: written in a temporary directory, then
     renamed; an existing non-empty `out_dir` is refused unless `overwrite`."""
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -292,10 +293,15 @@ def export_hf(
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     config = hf_config(args, dtype, tokenizer)
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
-    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
     if isinstance(tokenizer, HFTokenizer):
         save_tokenizer(tokenizer, tmp)
+    elif isinstance(tokenizer, ByteTokenizer):
+        tokenizer.write_hf_files(tmp)
+    # The source's generation_config.json (copied with the tokenizer: its end ids and sampling
+    # defaults) wins over the single ids config.json names.
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+    generation.update(read_json(tmp / "generation_config.json"))
+    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

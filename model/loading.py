@@ -12,6 +12,7 @@ import torch
 from model.args import ModelArgs
 from model.checkpoint import copy_state_into, latest_checkpoint, load_model_state, read_model_args
 from model.hf import args_from_hf_config, is_hf_checkpoint, load_hf_checkpoint
+from model.tokenizer import Tokenizer, load_tokenizer
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -64,3 +65,19 @@ def tokenizer_dir(checkpoint: Path | None) -> Path | None:
     if checkpoint is None:
         return None
     return checkpoint if is_hf_checkpoint(checkpoint) else checkpoint.parent.parent
+
+
+def checkpoint_tokenizer(checkpoint: Path | None) -> Tokenizer:
+    """The tokenizer of a resolved checkpoint (see `tokenizer_dir`). A Hugging Face directory must
+    hold tokenizer.json: without it the byte tokenizer would silently stand in for the model's own."""
+    if (
+        checkpoint is not None
+        and is_hf_checkpoint(checkpoint)
+        and not (checkpoint / "tokenizer.json").is_file()
+    ):
+        raise ValueError(
+            f"{checkpoint} has no tokenizer.json: add the model's tokenizer files (tokenizer.json, "
+            "tokenizer_config.json), e.g. with transformers: "
+            f"AutoTokenizer.from_pretrained(...).save_pretrained({str(checkpoint)!r})"
+        )
+    return load_tokenizer(tokenizer_dir(checkpoint))

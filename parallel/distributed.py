@@ -1,4 +1,4 @@
-"""Process-group start-up shared by train.py and serve.py.
+"""Process-group start-up and each rank's device, shared by train.py and serve.py.
 
 The group is created before Hydra composes the config, so that every rank can agree on one run
 directory (rank 0's launch time, broadcast) and only rank 0 writes Hydra's logs and config copies.
@@ -21,6 +21,18 @@ def world_size() -> int:
 
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def resolve_device(name: str) -> torch.device:
+    """auto | cpu | cuda -> this rank's device (under torchrun, the GPU parallel.distributed gave it)."""
+    if name not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device={name!r} is not one of auto, cpu, cuda")
+    has_gpu = torch.cuda.is_available()
+    if name == "auto":
+        name = "cuda" if has_gpu else "cpu"
+    if name == "cuda" and not has_gpu:
+        raise ValueError("device=cuda but no CUDA GPU is visible: use device=cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device("cpu")
 
 
 def gpu_of_rank(local_rank: int, local_world: int, gpus: int) -> int:

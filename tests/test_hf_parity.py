@@ -164,7 +164,19 @@ def test_export_writes_config_tokenizer_and_refuses_overwrite(tmp_path: Path) ->
     export_hf(model, args, out, tokenizer=ByteTokenizer(), overwrite=True)
     config = json.loads((out / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"]) == (256, 257)
-    assert not (out / "tokenizer.json").exists()
+    # The byte tokenizer exported as a tokenizer.json: transformers encodes and decodes as weft does.
+    reference = transformers.AutoTokenizer.from_pretrained(out)
+    byte = ByteTokenizer()
+    for text in ["naïve café ✓ — def f(x):\n\treturn x", " two  spaces . ,", "<|eos|> <|bos|> </s>", ""]:
+        assert (
+            reference(text)["input_ids"]
+            == byte.encode_prompt(text)
+            == load_tokenizer(out).encode_prompt(text)
+        )
+        assert reference.decode(byte.encode(text, eos=True), skip_special_tokens=True) == text
+    broken = [104, 105, 0xFF, 0xE2, 0x9C, 65, 257]  # invalid and truncated UTF-8: replaced alike
+    assert reference.decode(broken, skip_special_tokens=True) == byte.decode(broken)
+    assert (reference.bos_token_id, reference.eos_token_id) == (256, 257)
     with pytest.raises(ValueError, match=r"missing: norm\.weight"):
         export_hf({k: v for k, v in model.state_dict().items() if k != "norm.weight"}, args, tmp_path / "x")
 

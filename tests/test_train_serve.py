@@ -93,8 +93,12 @@ def assert_export_matches_transformers(run_dir: Path) -> None:
     from model.hf import export_hf
     from model.llama import Llama
     from model.loading import checkpoint_args, load_weights_into, resolve_checkpoint
+    from model.tokenizer import ByteTokenizer
 
     assert (run_dir / "hf" / "config.json").is_file()
+    # The byte tokenizer went with it as a tokenizer.json: transformers encodes as weft does.
+    reference = transformers.AutoTokenizer.from_pretrained(run_dir / "hf")
+    assert reference("def f(x): ✓")["input_ids"] == ByteTokenizer().encode_prompt("def f(x): ✓")
     checkpoint = resolve_checkpoint(run_dir)
     model = Llama(checkpoint_args(checkpoint))
     load_weights_into(model, checkpoint)

@@ -1,0 +1,52 @@
+"""What a checkpoint directory says about generating, read as transformers reads it: the token ids that
+end a completion and the default sampling settings (config.json and generation_config.json)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from model.generate import Sampling
+from model.tokenizer import Tokenizer, read_json
+
+# transformers' top_k when generation_config.json asks for sampling without naming one.
+TRANSFORMERS_TOP_K = 50
+
+
+def stop_ids(directory: Path | None, tokenizer: Tokenizer) -> list[int]:
+    """Every id that ends a completion: the tokenizer's end token and each `eos_token_id` (an id or a
+    list, as Llama-3 Instruct's [128001, 128008, 128009]) of config.json and generation_config.json."""
+    ids = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    for name in ("config.json", "generation_config.json"):
+        value = read_json(directory / name).get("eos_token_id") if directory is not None else None
+        ids += [i for i in (value if isinstance(value, list) else [value]) if isinstance(i, int)]
+    return list(dict.fromkeys(ids))
+
+
+def default_sampling(directory: Path | None) -> Sampling:
+    """generation_config.json's sampling settings: greedy unless it sets do_sample, and then its
+    temperature, top_k and top_p with transformers' defaults (1.0, 50, 1.0) for those it leaves out."""
+    config = read_json(directory / "generation_config.json") if directory is not None else {}
+    if not config.get("do_sample"):
+        return Sampling()
+    temperature, top_k, top_p = (config.get(key) for key in ("temperature", "top_k", "top_p"))
+    return Sampling(
+        temperature=1.0 if temperature is None else float(temperature),
+        top_k=TRANSFORMERS_TOP_K if top_k is None else int(top_k),
+        top_p=1.0 if top_p is None else float(top_p),
+    )
+
+
+def resolve_sampling(
+    directory: Path | None, temperature: float | None, top_k: int | None, top_p: float | None
+) -> Sampling:
+    """The sampling settings of a completion: each one given (not None) replaces the checkpoint's
+    default (`default_sampling`). Checked: ValueError naming the setting and where it came from."""
+    defaults = default_sampling(directory)
+    given = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    sampling = Sampling(**{k: getattr(defaults, k) if v is None else v for k, v in given.items()})
+    file = directory / "generation_config.json" if directory is not None else None
+    sources = {
+        k: f"from {file}" for k, v in given.items() if v is None and file is not None and file.is_file()
+    }
+    sampling.validate(sources)
+    return sampling

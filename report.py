@@ -1,0 +1,46 @@
+"""Result tables and the environment they were measured in, shared by serve.py's decode benchmark and
+the scripts in benchmarks/."""
+
+from __future__ import annotations
+
+import datetime as dt
+import platform
+from collections.abc import Sequence
+
+import torch
+
+
+def environment() -> dict[str, str]:
+    """Versions and device, recorded beside every result."""
+    env = {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else platform.processor() or "cpu",
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["cuda"] = str(torch.version.cuda)
+        env["gpus"] = str(torch.cuda.device_count())
+    return env
+
+
+def markdown_table(rows: Sequence[dict[str, object]]) -> str:
+    """Rows of equal keys as a markdown table; floats printed with 4 significant digits."""
+    if not rows:
+        return "(no rows)\n"
+    keys = list(rows[0].keys())
+
+    def fmt(v: object) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(fmt(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
