@@ -14,6 +14,7 @@ Every key is listed, typed and documented in configs/schema.py.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ from parallel.checkpoint import materialize
 from parallel.mesh import build_mesh, validate_comm_ops, validate_decode_graphs, validate_model
 from parallel.parallelize import ParallelizeConfig, fp8_decode_hooks, parallelize_llama
 from report import environment, markdown_table
+
+log = logging.getLogger("serve")
 
 DTYPES = {name: getattr(torch, name) for name in SERVE_DTYPES}
 
@@ -304,7 +307,7 @@ def run(cfg: ServeConfig, run_dir: Path) -> None:
     )
     if distributed.rank() == 0:
         table = markdown_table([row])
-        print(table)
+        log.info(table)
         (run_dir / "bench.json").write_text(json.dumps({**environment(), "rows": [row]}, indent=2))
         (run_dir / "bench.md").write_text(table)
 

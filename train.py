@@ -216,8 +216,6 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
         raise ValueError(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={args.max_seq_len}")
     if cfg.logging.tensorboard:
         require_tensorboard()
-    if rank == 0:
-        log.info(f"run directory: {shown(run_dir)}")
     torch.manual_seed(t.seed)
 
     init_path, args = resolve_init_weights(cfg.checkpoint.init_from, args)
@@ -226,6 +224,8 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
     # Otherwise every rank holds the whole model and DDP averages gradients, as before.
     sharded = dims.model_parallel or (world > 1 and cfg.parallel.fsdp)
     check_training_fits(args, dims, t, sharded, device)
+    if rank == 0:  # once the configuration is known to be runnable: a refused launch leaves no directory
+        log.info(f"run directory: {shown(run_dir)}")
     mesh = build_mesh(dims, device.type) if sharded else None
     dp_rank = mesh["dp"].get_local_rank() if mesh is not None else rank
     dp_size = dims.dp if mesh is not None else world

@@ -70,6 +70,7 @@ def test_train_resume_then_serve(tmp_path: Path) -> None:
     assert bench.returncode == 0, bench.stderr[-3000:]
     row = json.loads((tmp_path / "bench" / "bench.json").read_text())["rows"][0]
     assert row["batch"] == 2 and row["tokens_per_s"] > 0
+    assert "| model |" in bench.stdout and "| model |" in (tmp_path / "bench" / "serve.log").read_text()
 
     gen = run_script(
         "serve.py",
