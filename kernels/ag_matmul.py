@@ -366,6 +366,103 @@ def launch_gemm(
     )  # fmt: skip
 
 
+def resolve_config(layout: GatherLayout, bs: Sequence[torch.Tensor], config: GemmConfig | None) -> GemmConfig:
+    """The config a call runs: `config` or the table's for these weights, its splits clamped to the row
+    tiles per rank."""
+    cfg = config or pick_config(sum(b.shape[1] for b in bs))
+    tiles_per_rank = layout.pieces * triton.cdiv(layout.rows, cfg.block_m)
+    return dataclasses.replace(cfg, splits=max(1, min(cfg.splits, tiles_per_rank)))
+
+
+def sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def run_gemms(
+    own: torch.Tensor,
+    a_out: torch.Tensor,
+    layout: GatherLayout,
+    bs: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    flags: torch.Tensor,
+    status: torch.Tensor,
+    rank: int,
+    config: GemmConfig,
+    num_sms: int,
+    timeout_ns: int,
+) -> None:
+    """The GEMM launches of one call (`launch_gemm` with up to MAX_WEIGHTS weights each), one program
+    per SM or per tile where there are fewer tiles."""
+    for start in range(0, len(bs), MAX_WEIGHTS):
+        part = slice(start, start + MAX_WEIGHTS)
+        tiles = (
+            layout.world
+            * layout.pieces
+            * triton.cdiv(layout.rows, config.block_m)
+            * sum(triton.cdiv(b.shape[1], config.block_n) for b in bs[part])
+        )
+        launch_gemm(
+            own,
+            a_out,
+            layout,
+            bs[part],
+            outs[part],
+            flags,
+            status,
+            rank,
+            config,
+            min(num_sms, tiles),
+            timeout_ns,
+        )
+
+
+class GemmAlone:
+    """The GEMM of one `all_gather_matmul_kernel` call of rank `rank` of `world`, with the communication
+    taken out: the gathered `a` is already in place and every flag is set, so no tile waits. Same config
+    picking, tile schedule, descriptors and launches as the call (`run_gemms`), in one process without
+    a process group: what `--gemm-alone` in the benchmarks times beside torch.matmul on `a`.
+
+    `a` is the gathered input (dim `dim` holds the W shards in rank order), `bs` the weights as the call
+    takes them; `run()` returns [a @ b for b in bs] (preallocated outputs, rewritten by every run).
+    `num_sms` (default: the device's) caps the programs per launch."""
+
+    def __init__(
+        self,
+        a: torch.Tensor,
+        bs: Sequence[torch.Tensor],
+        dim: int,
+        rank: int,
+        world: int,
+        config: GemmConfig | None = None,
+        num_sms: int | None = None,
+    ) -> None:
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in a world of {world}")
+        dim %= a.dim()
+        if a.shape[dim] % world:
+            raise ValueError(f"dim {dim} of a has size {a.shape[dim]}, which is not {world} shards")
+        shard_shape = list(a.shape)
+        shard_shape[dim] //= world
+        self.layout = gather_layout(shard_shape, dim, world)
+        self.a = a.contiguous()
+        a4 = self.a.view(self.layout.pieces, world, self.layout.rows, self.layout.k)
+        self.own = a4[:, rank].contiguous()  # the call reads its own rows from its symmetric buffer
+        self.bs = list(bs)
+        self.rank = rank
+        self.config = resolve_config(self.layout, self.bs, config)
+        self.num_sms = num_sms if num_sms is not None else sm_count(a.device)
+        self.flags = torch.ones(world * self.config.splits + 1, dtype=torch.uint32, device=a.device)
+        self.status = torch.zeros(4, dtype=torch.int32, device=a.device)
+        self.outs = [torch.empty((*a.shape[:-1], b.shape[1]), dtype=a.dtype, device=a.device) for b in bs]
+
+    def run(self) -> list[torch.Tensor]:
+        run_gemms(
+            self.own, self.a, self.layout, self.bs, self.outs, self.flags, self.status, self.rank,
+            self.config, self.num_sms, int(DEFAULT_TIMEOUT_S * 1e9),
+        )  # fmt: skip
+        return self.outs
+
+
 # ------------------------------------------------------------------------------------ reference
 
 
@@ -505,9 +602,7 @@ def all_gather_matmul_kernel(
         )
     buf = prepare(group, nbytes)
     rank = buf.rank
-    cfg = config or pick_config(sum(b.shape[1] for b in bs))
-    tiles_per_rank = layout.pieces * triton.cdiv(layout.rows, cfg.block_m)
-    cfg = dataclasses.replace(cfg, splits=max(1, min(cfg.splits, tiles_per_rank)))
+    cfg = resolve_config(layout, bs, config)
     splits = cfg.splits
     plan = copy_plan(layout, cfg.block_m, splits)
     timeout_ns = int(timeout_s * 1e9)
@@ -541,23 +636,7 @@ def all_gather_matmul_kernel(
         for b in range(layout.pieces):
             a4[b, rank].copy_(shard[b])
     # The GEMM starts on this rank's rows (read from the symmetric buffer) while the copies run.
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    for start in range(0, len(bs), MAX_WEIGHTS):
-        part = slice(start, start + MAX_WEIGHTS)
-        tiles = world * tiles_per_rank * sum(triton.cdiv(b.shape[1], cfg.block_n) for b in bs[part])
-        launch_gemm(
-            mine,
-            a,
-            layout,
-            bs[part],
-            outs[part],
-            flags,
-            buf.status,
-            rank,
-            cfg,
-            min(num_sms, tiles),
-            timeout_ns,
-        )
+    run_gemms(mine, a, layout, bs, outs, flags, buf.status, rank, cfg, sm_count(device), timeout_ns)
     main.wait_stream(side)
     _run_barrier(buf, timeout_ns)
     return a, outs

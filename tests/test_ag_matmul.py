@@ -208,6 +208,42 @@ def test_launch_gemm_refuses_mixed_layouts() -> None:
         )
 
 
+ALONE_CASES = [  # world, rank, gathered a's shape, dim, Ns, [K, N] layout, config
+    (2, 1, (74, 40), 0, [24], True, ag.GemmConfig(16, 16, 16, 2, 4, 2, 2)),
+    (4, 2, (2, 52, 24), 1, [40, 8, 16, 24, 8], False, ag.GemmConfig(16, 32, 16, 1, 4, 2, 3)),
+    (8, 5, (3, 16, 16), 1, [16, 8], True, ag.GemmConfig(16, 16, 8, 4, 4, 3, 1)),
+]
+
+
+@pytest.mark.parametrize("case", ALONE_CASES)
+def test_gemm_alone_equals_matmul(case) -> None:
+    """The GEMM of a call with the gather taken out (what `--gemm-alone` times): the same launches over
+    every tile, flags set, more weights than one launch takes; outputs poisoned before each run."""
+    world, rank, shape, dim, ns, kn, config = case
+    a = torch.randn(shape).half()
+    bs = [torch.randn(shape[-1], n).half() if kn else torch.randn(n, shape[-1]).half().t() for n in ns]
+    alone = ag.GemmAlone(a, bs, dim, rank, world, config, num_sms=3)
+    assert alone.config == ag.resolve_config(alone.layout, bs, config), "the call's config picking"
+    for _ in range(2):
+        for out in alone.outs:
+            out.fill_(float("nan"))
+        outs = alone.run()
+        assert alone.status.tolist() == [0, 0, 0, 0]
+        for i, (b, out) in enumerate(zip(bs, outs, strict=True)):
+            ref = a.float() @ b.float()
+            assert not out.isnan().any(), f"weight {i}: tiles left unwritten"
+            err = (out.float() - ref).norm() / ref.norm()
+            assert err < 2e-3, f"weight {i}: relative error {err:.2e}"
+
+
+def test_gemm_alone_validates() -> None:
+    a, b = torch.zeros(12, 16).half(), torch.zeros(16, 8).half()
+    with pytest.raises(ValueError, match="not in a world of 4"):
+        ag.GemmAlone(a, [b], 0, 4, 4, num_sms=1)
+    with pytest.raises(ValueError, match="not 8 shards"):
+        ag.GemmAlone(a, [b], 0, 0, 8, num_sms=1)
+
+
 # ------------------------------------------------------------------------------------ CPU: layout, validation
 
 

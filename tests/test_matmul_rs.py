@@ -191,6 +191,48 @@ def test_launch_validates_its_arguments() -> None:
         mrs.launch(a, b, out, layout, sim.buffers(0), 0, config, 1, 1, (0, 3))
 
 
+ALONE_CASES = [  # world, rank, a's shape, dim, N, b as [K, N], config
+    (2, 0, (74, 40), 0, 24, True, mrs.GemmConfig(16, 16, 16, 2, 4, 2)),
+    (4, 3, (2, 52, 24), 1, 40, False, mrs.GemmConfig(16, 32, 16, 1, 4, 2)),
+    (8, 5, (3, 16, 16), 1, 16, True, mrs.GemmConfig(16, 16, 8, 4, 4, 3)),
+]
+
+
+@pytest.mark.parametrize("case", ALONE_CASES)
+def test_gemm_alone_equals_matmul(case) -> None:
+    """The GEMM of a call with the communication taken out (what `--gemm-alone` times): own rows equal
+    this rank's rows of a @ b, every peer's rows were pushed into its local buffer; two runs (both
+    buffer halves), the output poisoned before each."""
+    world, rank, shape, dim, n, kn, config = case
+    a = torch.randn(shape).half()
+    b = torch.randn(shape[-1], n).half() if kn else torch.randn(n, shape[-1]).half().t()
+    alone = mrs.GemmAlone(a, b, dim, rank, world, config, num_sms=3)
+    layout = alone.layout
+    product = (a.float() @ b.float()).view(layout.pieces, world, layout.rows, n)
+    for run in range(2):
+        alone.out.fill_(float("nan"))
+        out = alone.run()
+        assert alone.buffers.status.tolist() == [0, 0, 0, 0], "a wait recorded a timeout"
+        assert alone.epochs.eq(run + 1).all(), "every epoch slot advances once per run"
+        expect = {rank: out.view(layout.pieces, layout.rows, n)}
+        expect.update({d: alone.pushed(d) for d in range(world) if d != rank})
+        for d, got in expect.items():
+            assert not got.isnan().any(), f"run {run}, rows of rank {d}: tiles left unwritten"
+            err = (got.float() - product[:, d]).norm() / product[:, d].norm()
+            assert err < 2e-3, f"run {run}, rows of rank {d}: relative error {err:.2e}"
+
+
+def test_gemm_alone_validates() -> None:
+    a, b = torch.zeros(12, 16).half(), torch.zeros(16, 8).half()
+    with pytest.raises(ValueError, match="not in a world of 4"):
+        mrs.GemmAlone(a, b, 0, 4, 4, num_sms=1)
+    alone = mrs.GemmAlone(a, b, 0, 1, 4, num_sms=1)
+    with pytest.raises(ValueError, match="call run"):
+        alone.pushed(0)
+    with pytest.raises(ValueError, match="not 1"):
+        alone.pushed(1)
+
+
 # ------------------------------------------------------------------------------------ CPU: sm_90 build
 
 
