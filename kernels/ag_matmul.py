@@ -100,6 +100,11 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     splits: int  # flag runs per rank's rows (copy-engine chunks)
+    # Options for sweeps, off in the table until measured: the K loop warp-specialized (Triton's
+    # producer / consumer partitions), and the C tile stored in `epilogue_split` column slices (smaller
+    # epilogue staging in shared memory, which leaves room for deeper pipelines).
+    warp_specialize: bool = False
+    epilogue_split: int = 1
 
 
 # (largest total N over the weights, config), first match. 128x256x64 / 8 warps / 3 stages is the
@@ -234,15 +239,23 @@ def _wait_rows(flag_ptr, status_ptr, where, src, timeout_ns, OP_ID: tl.constexpr
 
 @triton.jit
 def _tile(a_desc, a_piece, b_desc, c_desc, c_piece, row0, n0, k_tiles,
-          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_KN: tl.constexpr):  # fmt: skip
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_KN: tl.constexpr,
+          WS: tl.constexpr, EPI: tl.constexpr):  # fmt: skip
     """C[c_piece, row0:+BM, n0:+BN] = A[a_piece, row0:+BM, :] @ B[:, n0:+BN], fp32 accumulation. B_KN:
-    B is stored [K, N]; otherwise [N, K] (an nn.Linear weight, used transposed)."""
+    B is stored [K, N]; otherwise [N, K] (an nn.Linear weight, used transposed). WS: warp-specialize
+    the K loop; EPI: store C in 1 or 2 column slices (`c_desc`'s block is BN / EPI wide)."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for ki in range(k_tiles):
+    for ki in tl.range(k_tiles, warp_specialize=WS):
         k = ki * BK
         a = a_desc.load([a_piece, row0, k]).reshape(BM, BK)
         acc = tl.dot(a, b_desc.load([k, n0]), acc) if B_KN else tl.dot(a, b_desc.load([n0, k]).T, acc)
-    c_desc.store([c_piece, row0, n0], acc.to(c_desc.dtype).reshape(1, BM, BN))
+    c = acc.to(c_desc.dtype)
+    if EPI == 2:
+        left, right = tl.split(tl.permute(tl.reshape(c, (BM, 2, BN // 2)), (0, 2, 1)))
+        c_desc.store([c_piece, row0, n0], left.reshape(1, BM, BN // 2))
+        c_desc.store([c_piece, row0, n0 + BN // 2], right.reshape(1, BM, BN // 2))
+    else:
+        c_desc.store([c_piece, row0, n0], c.reshape(1, BM, BN))
 
 
 @triton.jit
@@ -250,16 +263,17 @@ def _tile_of_weight(
     a_desc, a_piece, b0_desc, b1_desc, b2_desc, b3_desc, c0_desc, c1_desc, c2_desc, c3_desc,
     w, c_piece, row0, n0, k_tiles,
     NUM_W: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_KN: tl.constexpr,
+    WS: tl.constexpr, EPI: tl.constexpr,
 ):  # fmt: skip
     """`_tile` with weight w's B and C descriptors (descriptors cannot be indexed at run time)."""
     if w == 0:
-        _tile(a_desc, a_piece, b0_desc, c0_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN)
+        _tile(a_desc, a_piece, b0_desc, c0_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN, WS, EPI)
     if NUM_W > 1 and w == 1:
-        _tile(a_desc, a_piece, b1_desc, c1_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN)
+        _tile(a_desc, a_piece, b1_desc, c1_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN, WS, EPI)
     if NUM_W > 2 and w == 2:
-        _tile(a_desc, a_piece, b2_desc, c2_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN)
+        _tile(a_desc, a_piece, b2_desc, c2_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN, WS, EPI)
     if NUM_W > 3 and w == 3:
-        _tile(a_desc, a_piece, b3_desc, c3_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN)
+        _tile(a_desc, a_piece, b3_desc, c3_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN, WS, EPI)
 
 
 @triton.jit
@@ -268,7 +282,7 @@ def _ag_matmul_kernel(
     flags_ptr, status_ptr, timeout_ns, k, tiles_per_piece, pieces, nt0, nt1, nt2, nt3,
     RANK: tl.constexpr, WORLD: tl.constexpr, NUM_W: tl.constexpr, SPLITS: tl.constexpr,
     B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, OP_ID: tl.constexpr, FENCE: tl.constexpr,
+    GROUP_M: tl.constexpr, OP_ID: tl.constexpr, FENCE: tl.constexpr, WS: tl.constexpr, EPI: tl.constexpr,
 ):  # fmt: skip
     """Persistent GEMM over the gathered rows: program i takes tiles i, i + G, ... of `_tile_coords`'
     order. Own rows are read from this rank's shard (`own_desc`, [P, R, K]) without waiting; a peer's
@@ -283,17 +297,32 @@ def _ag_matmul_kernel(
         )  # fmt: skip
         row0 = row_tile * BM
         n0 = n_tile * BN
-        a_d = own_desc
-        a_piece = piece // WORLD
         if src != RANK:
             flag = src * SPLITS + q
             _wait_rows(flags_ptr + flag, status_ptr, FLAG_WHERE_BASE + flag, src, timeout_ns, OP_ID, FENCE)
-            a_d = a_desc
-            a_piece = piece
-        _tile_of_weight(
-            a_d, a_piece, b0_desc, b1_desc, b2_desc, b3_desc, c0_desc, c1_desc, c2_desc,
-            c3_desc, w, piece, row0, n0, k_tiles, NUM_W, BM, BN, BK, B_KN,
-        )  # fmt: skip
+        if WS:
+            # Triton's warp specialization cannot partition a loop whose descriptor is picked at run
+            # time: one K loop per source of A.
+            if src == RANK:
+                _tile_of_weight(
+                    own_desc, piece // WORLD, b0_desc, b1_desc, b2_desc, b3_desc, c0_desc, c1_desc,
+                    c2_desc, c3_desc, w, piece, row0, n0, k_tiles, NUM_W, BM, BN, BK, B_KN, WS, EPI,
+                )  # fmt: skip
+            else:
+                _tile_of_weight(
+                    a_desc, piece, b0_desc, b1_desc, b2_desc, b3_desc, c0_desc, c1_desc, c2_desc,
+                    c3_desc, w, piece, row0, n0, k_tiles, NUM_W, BM, BN, BK, B_KN, WS, EPI,
+                )  # fmt: skip
+        else:
+            a_d = own_desc
+            a_piece = piece // WORLD
+            if src != RANK:
+                a_d = a_desc
+                a_piece = piece
+            _tile_of_weight(
+                a_d, a_piece, b0_desc, b1_desc, b2_desc, b3_desc, c0_desc, c1_desc, c2_desc,
+                c3_desc, w, piece, row0, n0, k_tiles, NUM_W, BM, BN, BK, B_KN, WS, EPI,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -340,6 +369,8 @@ def launch_gemm(
     if len(kn) != 1:
         raise ValueError("all weights of one call must share a layout ([K, N] or weight.t() views)")
     b_kn = kn.pop()
+    if config.epilogue_split not in (1, 2):
+        raise ValueError(f"epilogue_split must be 1 or 2, got {config.epilogue_split}")
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     pw, r, k = layout.pieces * layout.world, layout.rows, layout.k
     a_desc = TensorDescriptor(a_out, [pw, r, k], [r * k, k, 1], [1, bm, bk])
@@ -351,7 +382,7 @@ def launch_gemm(
             b_descs.append(TensorDescriptor(b, [k, n], [n, 1], [bk, bn]))
         else:
             b_descs.append(TensorDescriptor(b.t(), [n, k], [k, 1], [bn, bk]))
-        c_descs.append(TensorDescriptor(c, [pw, r, n], [r * n, n, 1], [1, bm, bn]))
+        c_descs.append(TensorDescriptor(c, [pw, r, n], [r * n, n, 1], [1, bm, bn // config.epilogue_split]))
         n_tiles.append(triton.cdiv(n, bn))
     unused = MAX_WEIGHTS - len(bs)
     b_descs += [b_descs[0]] * unused
@@ -362,7 +393,8 @@ def launch_gemm(
         flags, status, timeout_ns, k, triton.cdiv(r, bm), layout.pieces, *n_tiles,
         RANK=rank, WORLD=layout.world, NUM_W=len(bs), SPLITS=config.splits, B_KN=b_kn,
         BM=bm, BN=bn, BK=bk, GROUP_M=config.group_m, OP_ID=OP, FENCE=not INTERPRETED,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        WS=config.warp_specialize, EPI=config.epilogue_split, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )  # fmt: skip
 
 

@@ -161,11 +161,13 @@ def _compile_sm90(world: int, config: ag.GemmConfig, b_kn: bool, num_w: int) -> 
     b_block = f"[{bk},{bn}]" if b_kn else f"[{bn},{bk}]"
     sig = {"own_desc": f"tensordesc<bf16[1,{bm},{bk}]>", "a_desc": f"tensordesc<bf16[1,{bm},{bk}]>"}
     sig.update({f"b{i}_desc": f"tensordesc<bf16{b_block}>" for i in range(ag.MAX_WEIGHTS)})
-    sig.update({f"c{i}_desc": f"tensordesc<bf16[1,{bm},{bn}]>" for i in range(ag.MAX_WEIGHTS)})
+    c_block = f"[1,{bm},{bn // config.epilogue_split}]"
+    sig.update({f"c{i}_desc": f"tensordesc<bf16{c_block}>" for i in range(ag.MAX_WEIGHTS)})
     sig.update({"flags_ptr": "*u32", "status_ptr": "*i32", "timeout_ns": "i64"})
     sig.update(dict.fromkeys(["k", "tiles_per_piece", "pieces", "nt0", "nt1", "nt2", "nt3"], "i32"))
     const = {"RANK": world - 1, "WORLD": world, "NUM_W": num_w, "SPLITS": config.splits, "B_KN": b_kn,
-             "BM": bm, "BN": bn, "BK": bk, "GROUP_M": config.group_m, "OP_ID": 1, "FENCE": True}  # fmt: skip
+             "BM": bm, "BN": bn, "BK": bk, "GROUP_M": config.group_m, "OP_ID": 1, "FENCE": True,
+             "WS": config.warp_specialize, "EPI": config.epilogue_split}  # fmt: skip
     return compile_ptx(
         ag._ag_matmul_kernel, sig, const, ("flags_ptr", "status_ptr"),
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -173,11 +175,19 @@ def _compile_sm90(world: int, config: ag.GemmConfig, b_kn: bool, num_w: int) -> 
 
 
 def check_sm90_ptx() -> None:
-    """Compile the GEMM for sm_90 with the table's configs and check the PTX has what the design relies
+    """Compile the GEMM for sm_90 with the table's configs and every config the benchmark sweeps (one
+    weight, nn.Linear layout, as the benchmark runs them), and check the PTX has what the design relies
     on. Runs in a process without TRITON_INTERPRET (the interpreter replaces @triton.jit)."""
-    for world, n_total, b_kn, num_w in [(4, 7168, False, 1), (2, 1000, True, 3), (8, 14336, False, 4)]:
-        ptx = _compile_sm90(world, ag.pick_config(n_total), b_kn, num_w)
-        what = f"world {world} N {n_total} kn={b_kn} weights {num_w}"
+    from benchmarks.bench_ag_matmul import SWEEP
+
+    cases = [
+        (4, ag.pick_config(n), kn, num_w)
+        for n, kn, num_w in [(7168, False, 1), (1000, True, 3), (14336, False, 4)]
+    ]
+    cases += [(4, cfg, False, 1) for cfg in SWEEP]
+    for world, config, b_kn, num_w in cases:
+        ptx = _compile_sm90(world, config, b_kn, num_w)
+        what = f"world {world} {config} kn={b_kn} weights {num_w}"
         assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, f"{what}: no wgmma / TMA loads"
         assert "ld.acquire.sys" in ptx and "%globaltimer" in ptx, f"{what}: waits must be bounded acquires"
         assert "fence.proxy.async" in ptx, f"{what}: no proxy fence between the flag and the TMA loads"
@@ -212,6 +222,9 @@ ALONE_CASES = [  # world, rank, gathered a's shape, dim, Ns, [K, N] layout, conf
     (2, 1, (74, 40), 0, [24], True, ag.GemmConfig(16, 16, 16, 2, 4, 2, 2)),
     (4, 2, (2, 52, 24), 1, [40, 8, 16, 24, 8], False, ag.GemmConfig(16, 32, 16, 1, 4, 2, 3)),
     (8, 5, (3, 16, 16), 1, [16, 8], True, ag.GemmConfig(16, 16, 8, 4, 4, 3, 1)),
+    # The sweep's options: the C tile stored in halves; warp-specialized K loops (one per source of A).
+    (4, 1, (2, 52, 24), 1, [40, 24], True, ag.GemmConfig(16, 32, 16, 2, 4, 2, 2, epilogue_split=2)),
+    (4, 3, (100, 24), 0, [24, 8], False, ag.GemmConfig(16, 16, 16, 2, 4, 2, 2, warp_specialize=True)),
 ]
 
 
@@ -242,6 +255,10 @@ def test_gemm_alone_validates() -> None:
         ag.GemmAlone(a, [b], 0, 4, 4, num_sms=1)
     with pytest.raises(ValueError, match="not 8 shards"):
         ag.GemmAlone(a, [b], 0, 0, 8, num_sms=1)
+    with pytest.raises(ValueError, match="epilogue_split must be 1 or 2"):
+        ag.GemmAlone(
+            a, [b], 0, 0, 4, ag.GemmConfig(16, 16, 16, 1, 4, 1, 1, epilogue_split=4), num_sms=1
+        ).run()
 
 
 # ------------------------------------------------------------------------------------ CPU: layout, validation

@@ -258,10 +258,14 @@ def _compile_sm90(world: int, config: mrs.GemmConfig, b_kn: bool, n_multiple_of_
 
 def check_sm90_ptx() -> None:
     """Compile the kernel for sm_90 with the table's configs and check the PTX has what the design
-    relies on. Runs in a process without TRITON_INTERPRET (the interpreter replaces @triton.jit)."""
+    relies on, and that every config the benchmark sweeps builds (nn.Linear layout, as the benchmark
+    runs them). Runs in a process without TRITON_INTERPRET (the interpreter replaces @triton.jit)."""
+    from benchmarks.bench_matmul_rs import SWEEP
+
     cases = [(4, 4096, False, True), (2, 1024, True, True), (8, 8192, True, True), (4, 1000, False, False)]
-    for world, n, b_kn, n16 in cases:
-        config = mrs.pick_config(n)
+    configs = [(world, mrs.pick_config(n), b_kn, n16) for world, n, b_kn, n16 in cases]
+    configs += [(4, config, False, True) for config in SWEEP]
+    for world, config, b_kn, n16 in configs:
         ptx = _compile_sm90(world, config, b_kn, n16)
         what = f"world {world} {config} kn={b_kn} N%16==0: {n16}"
         assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, f"{what}: no wgmma / TMA loads"
