@@ -27,9 +27,9 @@ from benchmarks.common import init_gpu_ranks, time_ranks, write_results
 # Bytes written between timed calls to evict both operands from L2 (50 MiB on H100, 60 MiB on H200):
 # in training neither the activations nor the weights of a layer's GEMM are L2-resident.
 L2_FLUSH_BYTES = 256 << 20
-# GPU cycles (~0.1 ms) the stream sleeps before a timed call, so that the host has queued the call before
+# GPU cycles (~0.25 ms) the stream sleeps before a timed call, so that the host has queued the call before
 # the start event fires and the host's launch cost (Triton's descriptor set-up) is not timed.
-LEAD_CYCLES = 200_000
+LEAD_CYCLES = 500_000
 # Relative error against cuBLAS above which a config's output is wrong (bf16 rounding is ~2e-3).
 MAX_REL_ERR = 1e-2
 
@@ -90,6 +90,18 @@ def time_interleaved(fns: dict[str, Callable[[], object]], iters: int) -> dict[s
     }
 
 
+def describe(config: Any) -> str:
+    """A GEMM config as its required fields' values in order, then the options not at their default."""
+    fields = dataclasses.fields(config)
+    values = [str(getattr(config, f.name)) for f in fields if f.default is dataclasses.MISSING]
+    options = [
+        f"{f.name}={getattr(config, f.name)}"
+        for f in fields
+        if f.default is not dataclasses.MISSING and getattr(config, f.name) != f.default
+    ]
+    return " ".join(values + options)
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
@@ -103,10 +115,10 @@ def measure_alone(
     expected = case.expected(case.cublas())
     rows = []
     for cfg in (None, *sweep):
-        row: dict[str, object] = {"M K N": f"{m} {k} {n}", "config": str(cfg)}
+        row: dict[str, object] = {"M K N": f"{m} {k} {n}", "config": describe(cfg) if cfg else ""}
         try:
             run, used = case.ours(cfg)
-            row["config"] = " ".join(map(str, dataclasses.astuple(used)))
+            row["config"] = describe(used)
             err = relative_error(run(), expected)
             if not err <= MAX_REL_ERR:
                 raise RuntimeError(f"relative error {err:.2e} against cuBLAS")
@@ -148,13 +160,17 @@ def main_alone(
         rows.append(row)
         sweep_rows += swept
         torch.cuda.empty_cache()
-    flags = f" --world {args.world} --rank {args.rank}" + (" --sweep" if args.sweep else "")
+    flags = f" --world {args.world} --rank {args.rank} --iters {args.iters}" + (
+        " --sweep" if args.sweep else ""
+    )
+    config_fields = [f.name for f in dataclasses.fields(sweep[0])] if sweep else []
     text = (
         f"The kernel's own GEMM (config picking, tile schedule, descriptors and launches of one call of "
         f"rank {args.rank} of {args.world}) with the communication taken out (kernels' GemmAlone), against "
         f"torch.matmul on the same operands, one GPU, one process. Microseconds: the median of {args.iters} "
         "single calls, each after an L2 flush, ours and cuBLAS interleaved. Command: python -m "
         f"benchmarks.bench_{name} --gemm-alone{flags}"
+        + (f". Config: {' '.join(config_fields)} (options named when not at their default)" if sweep else "")
     )
     worst = max((r["ours / cuBLAS"] for r in rows), default=math.nan)
     print(f"worst ours / cuBLAS at the kernel's own configs: {worst:.3f}", flush=True)

@@ -477,3 +477,28 @@ def _run_on_rank(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", GPU_WORLDS)
 def test_ag_matmul_gpu(world: int) -> None:
     run_ranks(_run_on_rank, world, backend="nccl")
+
+
+@pytest.mark.gpu
+def test_gemm_alone_gpu() -> None:
+    """On one GPU, bf16: the GEMM alone (what `--gemm-alone` times) with the table's config and every
+    config of the benchmark's sweep (warp specialization included, which the interpreter skips), ragged
+    rows (M/W = 129), K and N, against torch.matmul; outputs poisoned."""
+    from benchmarks.bench_ag_matmul import SWEEP
+
+    torch.manual_seed(0)
+    a = torch.randn(4 * 129, 3008, device="cuda", dtype=torch.bfloat16)
+    bs = [
+        (torch.randn(n, 3008, device="cuda", dtype=torch.bfloat16) / math.sqrt(3008)).t()
+        for n in (1000, 2048)
+    ]
+    for config in (None, *SWEEP):
+        alone = ag.GemmAlone(a, bs, 0, 1, 4, config)
+        for out in alone.outs:
+            out.fill_(float("nan"))
+        outs = alone.run()
+        for i, (b, out) in enumerate(zip(bs, outs, strict=True)):
+            ref = a.float() @ b.float()
+            assert not out.isnan().any(), f"{alone.config} weight {i}: tiles left unwritten"
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            assert err < BF16_RTOL / 4, f"{alone.config} weight {i}: relative error {err:.2e}"

@@ -490,3 +490,29 @@ def _run_on_rank(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", GPU_WORLDS)
 def test_matmul_rs_gpu(world: int) -> None:
     run_ranks(_run_on_rank, world, backend="nccl")
+
+
+@pytest.mark.gpu
+def test_gemm_alone_gpu() -> None:
+    """On one GPU, bf16: the kernel alone (what `--gemm-alone` times), pushes into local memory, with the
+    table's config and every config of the benchmark's sweep, ragged rows (M/W = 129), K and N, against
+    torch.matmul: own rows and every pushed partial; the output poisoned."""
+    from benchmarks.bench_matmul_rs import SWEEP
+
+    torch.manual_seed(0)
+    world, rank = 4, 2
+    a = torch.randn(world * 129, 3008, device="cuda", dtype=torch.bfloat16)
+    for n, kn in ((1000, False), (2048, True)):
+        b = _weight(3008, n, kn, "cuda")
+        product = (a.float() @ b.float()).view(world, 129, n)
+        for config in (None, *SWEEP):
+            alone = mrs.GemmAlone(a, b, 0, rank, world, config)
+            alone.out.fill_(float("nan"))
+            got = {rank: alone.run().view(129, n)}
+            got.update({d: alone.pushed(d)[0] for d in range(world) if d != rank})
+            for d, out in got.items():
+                assert not out.isnan().any(), f"{alone.config} N={n}, rows of rank {d}: tiles left unwritten"
+                err = ((out.float() - product[d]).norm() / product[d].norm()).item()
+                assert err < BF16_RTOL / 4, (
+                    f"{alone.config} N={n}, rows of rank {d}: relative error {err:.2e}"
+                )
