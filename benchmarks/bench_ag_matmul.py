@@ -43,10 +43,14 @@ SWEEP = [
     ag.GemmConfig(128, 256, 64, 8, 8, 4, 4, epilogue_split=2),
     ag.GemmConfig(128, 256, 64, 16, 8, 4, 4, epilogue_split=2),
     ag.GemmConfig(128, 128, 64, 8, 4, 5, 4, epilogue_split=2),
-    # Warp-specialized K loops (two of them, own rows and peers' rows: shared memory allows 2 stages).
-    ag.GemmConfig(128, 128, 64, 8, 4, 2, 4, warp_specialize=True),
-    ag.GemmConfig(128, 128, 64, 8, 8, 2, 4, warp_specialize=True),
-    ag.GemmConfig(128, 256, 64, 8, 8, 2, 4, warp_specialize=True, epilogue_split=2),
+    # The flattened, software-pipelined loop: the next tile's loads in flight during the epilogue.
+    ag.GemmConfig(128, 256, 64, 8, 8, 3, 4, flatten=True),
+    ag.GemmConfig(128, 256, 64, 8, 8, 3, 4, flatten=True, epilogue_split=2),
+    ag.GemmConfig(128, 256, 64, 8, 8, 4, 4, flatten=True, epilogue_split=2),
+    ag.GemmConfig(128, 256, 64, 16, 8, 4, 4, flatten=True, epilogue_split=2),
+    ag.GemmConfig(128, 128, 64, 8, 4, 4, 4, flatten=True),
+    ag.GemmConfig(128, 128, 64, 8, 8, 4, 4, flatten=True),
+    ag.GemmConfig(128, 128, 64, 8, 4, 5, 4, flatten=True, epilogue_split=2),
 ]
 
 

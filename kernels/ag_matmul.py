@@ -100,10 +100,11 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     splits: int  # flag runs per rank's rows (copy-engine chunks)
-    # Options for sweeps, off in the table until measured: the K loop warp-specialized (Triton's
-    # producer / consumer partitions), and the C tile stored in `epilogue_split` column slices (smaller
-    # epilogue staging in shared memory, which leaves room for deeper pipelines).
-    warp_specialize: bool = False
+    # Options for sweeps, off in the table until measured. flatten: the persistent loop and the K loop
+    # fused into one software-pipelined loop (Triton's `flatten`), so the next tile's first loads are in
+    # flight during this tile's epilogue. epilogue_split: the C tile stored in 1 or 2 column slices
+    # (half the epilogue staging in shared memory, room for a deeper pipeline).
+    flatten: bool = False
     epilogue_split: int = 1
 
 
@@ -238,14 +239,61 @@ def _wait_rows(flag_ptr, status_ptr, where, src, timeout_ns, OP_ID: tl.constexpr
 
 
 @triton.jit
+def _wait_rows_unbranched(flag_ptr, target, piece, status_ptr, where, src, timeout_ns, OP_ID: tl.constexpr):
+    """`_wait_rows` for the flattened loop, which Triton pipelines only without branches or CTA
+    barriers in it: every thread spins on the flag itself (acquire, system scope) until it reaches
+    `target`, bounded, then fences the async proxy, all in one asm that hands `piece` back: the TMA
+    loads that use the returned piece depend on the wait. A timeout is recorded by masked stores; once
+    the status word is set, later waits do not spin."""
+    one = tl.zeros([1], tl.int32)  # inline asm wants blocks, not scalars
+    failed = tl.load(status_ptr + one, volatile=True)
+    budget = tl.where(failed == 0, one.to(tl.int64) + timeout_ns, 0)
+    late, piece_after = tl.inline_asm_elementwise(
+        """
+        {
+        .reg .pred %p<2>;
+        .reg .s32 %v;
+        .reg .u64 %t0, %t1;
+        mov.u64 %t0, %globaltimer;
+        mov.u32 $0, 0;
+        L_spin:
+        ld.acquire.sys.global.u32 %v, [$2];
+        sub.s32 %v, %v, $3;
+        setp.ge.s32 %p0, %v, 0;
+        @%p0 bra L_done;
+        mov.u64 %t1, %globaltimer;
+        sub.u64 %t1, %t1, %t0;
+        setp.lt.u64 %p1, %t1, $4;
+        @%p1 bra L_spin;
+        mov.u32 $0, 1;
+        L_done:
+        fence.proxy.async.global;
+        mov.u32 $1, $5;
+        }
+        """,
+        "=r,=r,l,r,l,r",
+        [flag_ptr + one, one + target, budget, one + piece],
+        dtype=(tl.int32, tl.int32),
+        is_pure=False,
+        pack=1,
+    )
+    timed_out = (late != 0) & (failed == 0)
+    tl.store(status_ptr + 1 + one, one + OP_ID, mask=timed_out)
+    tl.store(status_ptr + 2 + one, one + where, mask=timed_out)
+    tl.store(status_ptr + 3 + one, one + src, mask=timed_out)
+    tl.atomic_xchg(status_ptr + one, one + 1, mask=timed_out)
+    return tl.max(piece_after, axis=0)
+
+
+@triton.jit
 def _tile(a_desc, a_piece, b_desc, c_desc, c_piece, row0, n0, k_tiles,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_KN: tl.constexpr,
-          WS: tl.constexpr, EPI: tl.constexpr):  # fmt: skip
+          EPI: tl.constexpr):  # fmt: skip
     """C[c_piece, row0:+BM, n0:+BN] = A[a_piece, row0:+BM, :] @ B[:, n0:+BN], fp32 accumulation. B_KN:
-    B is stored [K, N]; otherwise [N, K] (an nn.Linear weight, used transposed). WS: warp-specialize
-    the K loop; EPI: store C in 1 or 2 column slices (`c_desc`'s block is BN / EPI wide)."""
+    B is stored [K, N]; otherwise [N, K] (an nn.Linear weight, used transposed). EPI: store C in 1 or 2
+    column slices (`c_desc`'s block is BN / EPI wide)."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for ki in tl.range(k_tiles, warp_specialize=WS):
+    for ki in range(k_tiles):
         k = ki * BK
         a = a_desc.load([a_piece, row0, k]).reshape(BM, BK)
         acc = tl.dot(a, b_desc.load([k, n0]), acc) if B_KN else tl.dot(a, b_desc.load([n0, k]).T, acc)
@@ -263,17 +311,17 @@ def _tile_of_weight(
     a_desc, a_piece, b0_desc, b1_desc, b2_desc, b3_desc, c0_desc, c1_desc, c2_desc, c3_desc,
     w, c_piece, row0, n0, k_tiles,
     NUM_W: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_KN: tl.constexpr,
-    WS: tl.constexpr, EPI: tl.constexpr,
+    EPI: tl.constexpr,
 ):  # fmt: skip
     """`_tile` with weight w's B and C descriptors (descriptors cannot be indexed at run time)."""
     if w == 0:
-        _tile(a_desc, a_piece, b0_desc, c0_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN, WS, EPI)
+        _tile(a_desc, a_piece, b0_desc, c0_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN, EPI)
     if NUM_W > 1 and w == 1:
-        _tile(a_desc, a_piece, b1_desc, c1_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN, WS, EPI)
+        _tile(a_desc, a_piece, b1_desc, c1_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN, EPI)
     if NUM_W > 2 and w == 2:
-        _tile(a_desc, a_piece, b2_desc, c2_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN, WS, EPI)
+        _tile(a_desc, a_piece, b2_desc, c2_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN, EPI)
     if NUM_W > 3 and w == 3:
-        _tile(a_desc, a_piece, b3_desc, c3_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN, WS, EPI)
+        _tile(a_desc, a_piece, b3_desc, c3_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN, EPI)
 
 
 @triton.jit
@@ -282,7 +330,7 @@ def _ag_matmul_kernel(
     flags_ptr, status_ptr, timeout_ns, k, tiles_per_piece, pieces, nt0, nt1, nt2, nt3,
     RANK: tl.constexpr, WORLD: tl.constexpr, NUM_W: tl.constexpr, SPLITS: tl.constexpr,
     B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, OP_ID: tl.constexpr, FENCE: tl.constexpr, WS: tl.constexpr, EPI: tl.constexpr,
+    GROUP_M: tl.constexpr, OP_ID: tl.constexpr, FENCE: tl.constexpr, FLAT: tl.constexpr, EPI: tl.constexpr,
 ):  # fmt: skip
     """Persistent GEMM over the gathered rows: program i takes tiles i, i + G, ... of `_tile_coords`'
     order. Own rows are read from this rank's shard (`own_desc`, [P, R, K]) without waiting; a peer's
@@ -290,39 +338,33 @@ def _ag_matmul_kernel(
     tiles_per_rank = pieces * tiles_per_piece
     total = WORLD * tiles_per_rank * (nt0 + nt1 + nt2 + nt3)
     k_tiles = tl.cdiv(k, BK)
-    for tile in range(tl.program_id(0), total, tl.num_programs(0)):
+    for tile in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLAT):
         src, q, piece, row_tile, w, n_tile = _tile_coords(
             tile, tiles_per_rank, tiles_per_piece, nt0, nt1, nt2, nt3,
             RANK, WORLD, NUM_W, SPLITS, GROUP_M,
         )  # fmt: skip
         row0 = row_tile * BM
         n0 = n_tile * BN
-        if src != RANK:
+        a_piece = piece // WORLD
+        if FLAT and FENCE:
+            # Every tile waits (own rows on target 0: at once), and the loads' coordinate comes out of
+            # the wait, so that the pipeliner cannot issue a tile's loads before its wait.
+            flag = src * SPLITS + q
+            a_piece = _wait_rows_unbranched(
+                flags_ptr + flag, (src != RANK).to(tl.int32), tl.where(src != RANK, piece, a_piece),
+                status_ptr, FLAG_WHERE_BASE + flag, src, timeout_ns, OP_ID,
+            )  # fmt: skip
+        elif src != RANK:
             flag = src * SPLITS + q
             _wait_rows(flags_ptr + flag, status_ptr, FLAG_WHERE_BASE + flag, src, timeout_ns, OP_ID, FENCE)
-        if WS:
-            # Triton's warp specialization cannot partition a loop whose descriptor is picked at run
-            # time: one K loop per source of A.
-            if src == RANK:
-                _tile_of_weight(
-                    own_desc, piece // WORLD, b0_desc, b1_desc, b2_desc, b3_desc, c0_desc, c1_desc,
-                    c2_desc, c3_desc, w, piece, row0, n0, k_tiles, NUM_W, BM, BN, BK, B_KN, WS, EPI,
-                )  # fmt: skip
-            else:
-                _tile_of_weight(
-                    a_desc, piece, b0_desc, b1_desc, b2_desc, b3_desc, c0_desc, c1_desc, c2_desc,
-                    c3_desc, w, piece, row0, n0, k_tiles, NUM_W, BM, BN, BK, B_KN, WS, EPI,
-                )  # fmt: skip
-        else:
-            a_d = own_desc
-            a_piece = piece // WORLD
-            if src != RANK:
-                a_d = a_desc
-                a_piece = piece
-            _tile_of_weight(
-                a_d, a_piece, b0_desc, b1_desc, b2_desc, b3_desc, c0_desc, c1_desc, c2_desc,
-                c3_desc, w, piece, row0, n0, k_tiles, NUM_W, BM, BN, BK, B_KN, WS, EPI,
-            )  # fmt: skip
+            a_piece = piece
+        a_d = own_desc
+        if src != RANK:
+            a_d = a_desc
+        _tile_of_weight(
+            a_d, a_piece, b0_desc, b1_desc, b2_desc, b3_desc, c0_desc, c1_desc, c2_desc,
+            c3_desc, w, piece, row0, n0, k_tiles, NUM_W, BM, BN, BK, B_KN, EPI,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -393,7 +435,7 @@ def launch_gemm(
         flags, status, timeout_ns, k, triton.cdiv(r, bm), layout.pieces, *n_tiles,
         RANK=rank, WORLD=layout.world, NUM_W=len(bs), SPLITS=config.splits, B_KN=b_kn,
         BM=bm, BN=bn, BK=bk, GROUP_M=config.group_m, OP_ID=OP, FENCE=not INTERPRETED,
-        WS=config.warp_specialize, EPI=config.epilogue_split, num_warps=config.num_warps,
+        FLAT=config.flatten, EPI=config.epilogue_split, num_warps=config.num_warps,
         num_stages=config.num_stages,
     )  # fmt: skip
 

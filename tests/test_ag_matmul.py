@@ -167,7 +167,7 @@ def _compile_sm90(world: int, config: ag.GemmConfig, b_kn: bool, num_w: int) -> 
     sig.update(dict.fromkeys(["k", "tiles_per_piece", "pieces", "nt0", "nt1", "nt2", "nt3"], "i32"))
     const = {"RANK": world - 1, "WORLD": world, "NUM_W": num_w, "SPLITS": config.splits, "B_KN": b_kn,
              "BM": bm, "BN": bn, "BK": bk, "GROUP_M": config.group_m, "OP_ID": 1, "FENCE": True,
-             "WS": config.warp_specialize, "EPI": config.epilogue_split}  # fmt: skip
+             "FLAT": config.flatten, "EPI": config.epilogue_split}  # fmt: skip
     return compile_ptx(
         ag._ag_matmul_kernel, sig, const, ("flags_ptr", "status_ptr"),
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -222,9 +222,9 @@ ALONE_CASES = [  # world, rank, gathered a's shape, dim, Ns, [K, N] layout, conf
     (2, 1, (74, 40), 0, [24], True, ag.GemmConfig(16, 16, 16, 2, 4, 2, 2)),
     (4, 2, (2, 52, 24), 1, [40, 8, 16, 24, 8], False, ag.GemmConfig(16, 32, 16, 1, 4, 2, 3)),
     (8, 5, (3, 16, 16), 1, [16, 8], True, ag.GemmConfig(16, 16, 8, 4, 4, 3, 1)),
-    # The sweep's options: the C tile stored in halves; warp-specialized K loops (one per source of A).
+    # The sweep's options: the C tile stored in halves; the flattened loop (its own wait on the GPU).
     (4, 1, (2, 52, 24), 1, [40, 24], True, ag.GemmConfig(16, 32, 16, 2, 4, 2, 2, epilogue_split=2)),
-    (4, 3, (100, 24), 0, [24, 8], False, ag.GemmConfig(16, 16, 16, 2, 4, 2, 2, warp_specialize=True)),
+    (4, 3, (100, 24), 0, [24, 8], False, ag.GemmConfig(16, 16, 16, 2, 4, 2, 2, flatten=True)),
 ]
 
 
@@ -482,8 +482,8 @@ def test_ag_matmul_gpu(world: int) -> None:
 @pytest.mark.gpu
 def test_gemm_alone_gpu() -> None:
     """On one GPU, bf16: the GEMM alone (what `--gemm-alone` times) with the table's config and every
-    config of the benchmark's sweep (warp specialization included, which the interpreter skips), ragged
-    rows (M/W = 129), K and N, against torch.matmul; outputs poisoned."""
+    config of the benchmark's sweep (the flattened loop's own wait included, which the interpreter
+    skips), ragged rows (M/W = 129), K and N, against torch.matmul; outputs poisoned."""
     from benchmarks.bench_ag_matmul import SWEEP
 
     torch.manual_seed(0)
