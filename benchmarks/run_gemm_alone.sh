@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# The GEMMs of all-gather-matmul and matmul-reduce-scatter alone on one GPU, in one go (well under 8
+# The GEMMs of all-gather-matmul and matmul-reduce-scatter alone on one GPU, in one go (at most 8
 # minutes): the single-GPU tests of both kernels' GEMM alone (the table's config and every swept config
 # against torch.matmul, bf16), then both benchmarks' --gemm-alone with their sweeps. Each step is bounded
 # by a timeout and logged; a failing step is reported and the next one run anyway. Results land in
 # benchmarks/results/ (<op>_gemm-<device>, <op>_gemm_sweep-<device>) and are copied with the logs to $OUT.
 #
-#   OUT=/tmp/gemm benchmarks/run_gemm_alone.sh            # every step
-#   benchmarks/run_gemm_alone.sh ag                      # the named steps: tests, ag, rs
+#   OUT=/tmp/gemm benchmarks/run_gemm_alone.sh            # tests, ag, rs
+#   benchmarks/run_gemm_alone.sh ag                      # the named steps, in the order given
+#
+# Steps: tests, ag, rs (the default), and shared: the all-gather-matmul's two-rank GPU tests (the
+# flattened loop's wait under real copies included) with both ranks on this GPU (parallel/shared_gpu.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,11 +34,13 @@ nvidia-smi --query-gpu=name,clocks.max.sm,power.limit,memory.total --format=csv 
 for name in "${@:-tests ag rs}"; do
   for s in $name; do
     case "$s" in
-      tests) step tests 110 "$PY" -m pytest -q -p no:cacheprovider -m gpu -k gemm_alone \
+      tests) step tests 150 "$PY" -m pytest -q -p no:cacheprovider -m gpu -k gemm_alone \
                tests/test_ag_matmul.py tests/test_matmul_rs.py ;;
-      ag) step ag 170 "$PY" -m benchmarks.bench_ag_matmul --gemm-alone --sweep --iters "$ITERS" ;;
-      rs) step rs 170 "$PY" -m benchmarks.bench_matmul_rs --gemm-alone --sweep --iters "$ITERS" ;;
-      *) echo "unknown step $s (tests, ag, rs)"; exit 2 ;;
+      ag) step ag 180 "$PY" -m benchmarks.bench_ag_matmul --gemm-alone --sweep --iters "$ITERS" ;;
+      rs) step rs 150 "$PY" -m benchmarks.bench_matmul_rs --gemm-alone --sweep --iters "$ITERS" ;;
+      shared) step shared 240 "$PY" -m parallel.shared_gpu --ranks 2 -- "$PY" -m pytest -q -p no:cacheprovider \
+                -m multigpu -k "test_ag_matmul_gpu and 2" tests/test_ag_matmul.py ;;
+      *) echo "unknown step $s (tests, ag, rs, shared)"; exit 2 ;;
     esac
   done
 done

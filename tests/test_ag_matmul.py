@@ -396,6 +396,17 @@ def _correctness(rank: int, world: int) -> None:
             torch.cuda.synchronize()
             ag.check()
             _check(a, outs, *_reference(shard, bs, dim), f"rank {rank} {shape} dim={dim} N={ns} kn={kn}")
+    # The flattened loop of the sweep: its unbranched wait must hold the peers' rows back as well.
+    flat = ag.GemmConfig(128, 128, 64, 8, 4, 4, 4, flatten=True)
+    for shape, dim, ns, kn in (GPU_CASES[2], GPU_CASES[3], GPU_CASES[5]):
+        torch.manual_seed(17 * rank)
+        shard = torch.randn(shape, device=dev, dtype=torch.bfloat16)
+        torch.manual_seed(1)
+        bs = _weights(shape[-1], ns, kn, dev)
+        a, outs = ag.all_gather_matmul_kernel(shard, bs, dim, dist.group.WORLD, config=flat)
+        torch.cuda.synchronize()
+        ag.check()
+        _check(a, outs, *_reference(shard, bs, dim), f"rank {rank} flatten {shape} dim={dim} N={ns}")
     # The fallback (fp32) goes through the same entry point.
     shard = torch.randn(64, 64, device=dev)
     a, outs = ag.all_gather_matmul(shard, [torch.ones(64, 8, device=dev)], 0)
