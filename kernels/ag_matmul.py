@@ -111,7 +111,8 @@ class GemmConfig:
 # (largest total N over the weights, config), first match. 128x256x64 / 8 warps / 3 stages is the
 # wgmma-friendly Hopper tile (208 KiB of shared memory with the epilogue tile, no register spills);
 # narrow outputs get 128x128 tiles so that enough tiles exist to fill the SMs. Not yet measured on
-# H200: refine from `torchrun --nproc_per_node=4 benchmarks/bench_ag_matmul.py --sweep`.
+# H200: refine from `torchrun --nproc_per_node=4 benchmarks/bench_ag_matmul.py --sweep`, the GEMM alone
+# from `python -m benchmarks.bench_ag_matmul --gemm-alone --sweep` on one GPU.
 CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
     (1024, GemmConfig(128, 128, 64, 8, 8, 4, 4)),
     (1 << 62, GemmConfig(128, 256, 64, 8, 8, 3, 4)),

@@ -114,7 +114,8 @@ class GemmConfig:
 
 # (largest N, config), first match. 128x256x64 / 8 warps / 3 stages is the wgmma-friendly Hopper tile;
 # narrow outputs get 128x128 tiles so that enough tiles exist to fill the SMs. Not yet measured on
-# H200: refine from `torchrun --nproc_per_node=4 benchmarks/bench_matmul_rs.py --sweep`.
+# H200: refine from `torchrun --nproc_per_node=4 benchmarks/bench_matmul_rs.py --sweep`, the GEMM alone
+# from `python -m benchmarks.bench_matmul_rs --gemm-alone --sweep` on one GPU.
 CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
     (1024, GemmConfig(128, 128, 64, 8, 8, 4)),
     (1 << 62, GemmConfig(128, 256, 64, 8, 8, 3)),
