@@ -185,6 +185,7 @@ def check_sm90_ptx() -> None:
         for n, kn, num_w in [(7168, False, 1), (1000, True, 3), (14336, False, 4)]
     ]
     cases += [(4, cfg, False, 1) for cfg in SWEEP]
+    cases.append((8, next(cfg for cfg in SWEEP if cfg.flatten), True, 3))  # several K loops, unflattened
     for world, config, b_kn, num_w in cases:
         ptx = _compile_sm90(world, config, b_kn, num_w)
         what = f"world {world} {config} kn={b_kn} weights {num_w}"
