@@ -2,13 +2,16 @@
 `fused_all_gather_matmul`, and cuBLAS alone on the already-gathered input (the bar: within 1.10x).
 
     torchrun --nproc_per_node=4 benchmarks/bench_ag_matmul.py [--sweep] [--shapes M,K,N ...]
+    python -m benchmarks.bench_ag_matmul --gemm-alone [--world 4] [--sweep] [--shapes M,K,N ...]
 
 M is the GLOBAL row count (a_shard is [M / W, K]); N the columns of this rank's weight, an nn.Linear
 weight [N, K] passed as weight.t() (the model's forward). Every rank times every implementation with
 CUDA events around `--reps` back-to-back calls (the host queues ahead, as in training), the figure is
 the slowest rank's median per call. Rank 0 writes benchmarks/results/ag_matmul-<device>.md/.json;
 `--sweep` also times the GEMM configs of SWEEP (ag_matmul_sweep-<device>.*), the source of
-kernels/ag_matmul.py's CONFIGS table.
+kernels/ag_matmul.py's CONFIGS table. `--gemm-alone` (one GPU, no torchrun) times the kernel's GEMM of
+one rank's call with every peer's rows already in place against torch.matmul on the same gathered A
+(ag_matmul_gemm-<device>.*; see benchmarks/gemm_comm.py).
 """
 
 from __future__ import annotations
@@ -30,9 +33,24 @@ SWEEP = [
     ag.GemmConfig(128, 256, 64, 8, 8, 3, 4),
     ag.GemmConfig(128, 256, 64, 8, 8, 3, 2),
     ag.GemmConfig(128, 256, 64, 16, 8, 3, 4),
+    ag.GemmConfig(128, 256, 64, 4, 8, 3, 4),
     ag.GemmConfig(128, 128, 64, 8, 8, 4, 4),
     ag.GemmConfig(128, 128, 64, 8, 4, 4, 4),
+    ag.GemmConfig(128, 128, 64, 8, 4, 5, 4),
     ag.GemmConfig(64, 256, 64, 8, 4, 4, 4),
+    # The C tile stored in two halves: 32 KiB less epilogue staging, room for a fourth stage.
+    ag.GemmConfig(128, 256, 64, 8, 8, 3, 4, epilogue_split=2),
+    ag.GemmConfig(128, 256, 64, 8, 8, 4, 4, epilogue_split=2),
+    ag.GemmConfig(128, 256, 64, 16, 8, 4, 4, epilogue_split=2),
+    ag.GemmConfig(128, 128, 64, 8, 4, 5, 4, epilogue_split=2),
+    # The flattened, software-pipelined loop: the next tile's loads in flight during the epilogue.
+    ag.GemmConfig(128, 256, 64, 8, 8, 3, 4, flatten=True),
+    ag.GemmConfig(128, 256, 64, 8, 8, 3, 4, flatten=True, epilogue_split=2),
+    ag.GemmConfig(128, 256, 64, 8, 8, 4, 4, flatten=True, epilogue_split=2),
+    ag.GemmConfig(128, 256, 64, 16, 8, 4, 4, flatten=True, epilogue_split=2),
+    ag.GemmConfig(128, 128, 64, 8, 4, 4, 4, flatten=True),
+    ag.GemmConfig(128, 128, 64, 8, 8, 4, 4, flatten=True),
+    ag.GemmConfig(128, 128, 64, 8, 4, 5, 4, flatten=True, epilogue_split=2),
 ]
 
 
@@ -77,6 +95,19 @@ def make_case(m: int, k: int, n: int, group: dist.ProcessGroup) -> gemm_comm.Cas
     )
 
 
+def make_alone(m: int, k: int, n: int, world: int, rank: int) -> gemm_comm.AloneCase:
+    """The GEMM of rank `rank`'s call with every shard gathered, against torch.matmul on that A."""
+    torch.manual_seed(0)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5).t()
+
+    def ours(config):
+        alone = ag.GemmAlone(a, [b], 0, rank, world, config)
+        return (lambda: alone.run()[0]), alone.config
+
+    return gemm_comm.AloneCase(ours=ours, cublas=lambda: torch.matmul(a, b), expected=lambda out: out)
+
+
 def notes(world: int, args: argparse.Namespace) -> str:
     return (
         f"bf16 over {world} GPUs, a_shard [M/{world}, K] gathered on dim 0, one weight [N, K] used "
@@ -90,4 +121,4 @@ def notes(world: int, args: argparse.Namespace) -> str:
 
 
 if __name__ == "__main__":
-    gemm_comm.main("ag_matmul", __doc__.split("\n\n")[0], SHAPES, SWEEP, make_case, notes)
+    gemm_comm.main("ag_matmul", __doc__.split("\n\n")[0], SHAPES, SWEEP, make_case, notes, make_alone)

@@ -2,13 +2,17 @@
 PyTorch's `fused_matmul_reduce_scatter`, and the cuBLAS matmul alone (the bar: within 1.15x of it).
 
     torchrun --nproc_per_node=4 benchmarks/bench_matmul_rs.py [--sweep] [--shapes M,K,N ...]
+    python -m benchmarks.bench_matmul_rs --gemm-alone [--world 4] [--sweep] [--shapes M,K,N ...]
 
 M is the GLOBAL row count and K this rank's inner size: a is [M, K] on every rank, the output shard
 [M / W, N]; the weight is an nn.Linear weight [N, K] passed as weight.t() (the model's forward). Every
 rank times every implementation with CUDA events around `--reps` back-to-back calls (the host queues
 ahead, as in training); the figure is the slowest rank's median per call. Rank 0 writes
 benchmarks/results/matmul_rs-<device>.md/.json; `--sweep` also times the GEMM configs of SWEEP
-(matmul_rs_sweep-<device>.*), the source of kernels/matmul_rs.py's CONFIGS table.
+(matmul_rs_sweep-<device>.*), the source of kernels/matmul_rs.py's CONFIGS table. `--gemm-alone` (one
+GPU, no torchrun) times the kernel of one rank's call with its pushes landing in local memory and the
+peers' partials already in place against torch.matmul on the same operands
+(matmul_rs_gemm-<device>.*; see benchmarks/gemm_comm.py).
 """
 
 from __future__ import annotations
@@ -25,14 +29,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import gemm_comm
 from kernels import matmul_rs as mrs
 
-SHAPES = [(4096, 3584, 4096), (8192, 3584, 4096), (16384, 7168, 8192)]
+SHAPES = [(8192, 3584, 4096), (16384, 7168, 8192), (4096, 4096, 7168), (16384, 14336, 8192)]
 SWEEP = [
     mrs.GemmConfig(128, 256, 64, 8, 8, 3),
     mrs.GemmConfig(128, 256, 64, 16, 8, 3),
     mrs.GemmConfig(128, 256, 64, 4, 8, 3),
+    mrs.GemmConfig(128, 256, 64, 8, 8, 4),
     mrs.GemmConfig(128, 128, 64, 8, 8, 4),
     mrs.GemmConfig(128, 128, 64, 8, 4, 4),
+    mrs.GemmConfig(128, 128, 64, 8, 4, 5),
     mrs.GemmConfig(64, 256, 64, 8, 4, 4),
+    mrs.GemmConfig(128, 256, 32, 8, 8, 5),
 ]
 
 
@@ -76,6 +83,23 @@ def make_case(m: int, k: int, n: int, group: dist.ProcessGroup) -> gemm_comm.Cas
     )
 
 
+def make_alone(m: int, k: int, n: int, world: int, rank: int) -> gemm_comm.AloneCase:
+    """The kernel of rank `rank`'s call, pushes into local memory, against torch.matmul (the full
+    product; ours keeps this rank's rows of it, the peers' partials being zeros)."""
+    torch.manual_seed(0)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = (torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5).t()
+
+    def ours(config):
+        alone = mrs.GemmAlone(a, b, 0, rank, world, config)
+        return alone.run, alone.config
+
+    def own_rows(product: torch.Tensor) -> torch.Tensor:
+        return product.view(world, m // world, n)[rank]
+
+    return gemm_comm.AloneCase(ours=ours, cublas=lambda: torch.matmul(a, b), expected=own_rows)
+
+
 def notes(world: int, args: argparse.Namespace) -> str:
     return (
         f"bf16 over {world} GPUs, a [M, K] on every rank (K: this rank's inner size), one weight "
@@ -89,4 +113,4 @@ def notes(world: int, args: argparse.Namespace) -> str:
 
 
 if __name__ == "__main__":
-    gemm_comm.main("matmul_rs", __doc__.split("\n\n")[0], SHAPES, SWEEP, make_case, notes)
+    gemm_comm.main("matmul_rs", __doc__.split("\n\n")[0], SHAPES, SWEEP, make_case, notes, make_alone)

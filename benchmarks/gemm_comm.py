@@ -3,12 +3,19 @@ M K N, a correctness check of ours against the stock path before any timing, our
 timed alike on every rank (the slowest rank's median), one row with every time and ours' ratio to each
 peer, an optional sweep of our GEMM configs, and the result files. Each benchmark supplies what differs:
 the tensors, the calls and the columns' names (a `Case`).
+
+`--gemm-alone` (one GPU, no torchrun): the kernel's own GEMM as rank `--rank` of `--world` runs it, the
+communication taken out (the kernel module's `GemmAlone`), against torch.matmul (cuBLAS) on the same
+operands, both in this process; `<name>_gemm-<device>` (and `<name>_gemm_sweep-<device>`). The
+benchmark supplies an `AloneCase`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,6 +23,15 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import init_gpu_ranks, time_ranks, write_results
+
+# Bytes written between timed calls to evict both operands from L2 (50 MiB on H100, 60 MiB on H200):
+# in training neither the activations nor the weights of a layer's GEMM are L2-resident.
+L2_FLUSH_BYTES = 256 << 20
+# GPU cycles (~0.25 ms) the stream sleeps before a timed call, so that the host has queued the call before
+# the start event fires and the host's launch cost (Triton's descriptor set-up) is not timed.
+LEAD_CYCLES = 500_000
+# Relative error against cuBLAS above which a config's output is wrong (bf16 rounding is ~2e-3).
+MAX_REL_ERR = 1e-2
 
 
 @dataclasses.dataclass
@@ -33,6 +49,134 @@ class Case:
     checks: dict[str, object]
     # The GEMM config ours picks for this shape (a dataclass of the kernel module).
     config: Any
+
+
+@dataclasses.dataclass
+class AloneCase:
+    """One M K N of a benchmark's GEMM alone, set up on one GPU."""
+
+    # config (None: the kernel's own pick) -> (a call that runs our GEMM and returns its output, the
+    # config that call runs after the kernel module's resolution).
+    ours: Callable[[Any], tuple[Callable[[], torch.Tensor], Any]]
+    # torch.matmul on the same operands.
+    cublas: Callable[[], torch.Tensor]
+    # cuBLAS's output -> the part of it that ours computes (its rows of this rank).
+    expected: Callable[[torch.Tensor], torch.Tensor]
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], iters: int) -> dict[str, float]:
+    """Median microseconds of each call over `iters` rounds. Every round runs each call once, in an order
+    rotated per round (no call always follows the same one), each after an L2 flush and a short GPU
+    sleep, bracketed by CUDA events."""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    labels = list(fns)
+    events = {label: [] for label in labels}
+    for _ in range(2):  # warm-up: compilation, cuBLAS heuristics, allocator
+        for fn in fns.values():
+            fn()
+    torch.cuda.synchronize()
+    for i in range(iters):
+        for label in labels[i % len(labels) :] + labels[: i % len(labels)]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            flush.zero_()
+            torch.cuda._sleep(LEAD_CYCLES)
+            start.record()
+            fns[label]()
+            end.record()
+            events[label].append((start, end))
+        torch.cuda.synchronize()
+    return {
+        label: statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs) for label, pairs in events.items()
+    }
+
+
+def describe(config: Any) -> str:
+    """A GEMM config as its required fields' values in order, then the options not at their default."""
+    fields = dataclasses.fields(config)
+    values = [str(getattr(config, f.name)) for f in fields if f.default is dataclasses.MISSING]
+    options = [
+        f"{f.name}={getattr(config, f.name)}"
+        for f in fields
+        if f.default is not dataclasses.MISSING and getattr(config, f.name) != f.default
+    ]
+    return " ".join(values + options)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def measure_alone(
+    m: int, k: int, n: int, case: AloneCase, iters: int, sweep: Sequence[Any]
+) -> tuple[dict[str, object], list[dict[str, object]]]:
+    """(result row, sweep rows) of one shape: ours with its own config, then every config of `sweep`,
+    each checked against cuBLAS and then timed interleaved with it."""
+    flops = 2 * m * k * n
+    expected = case.expected(case.cublas())
+    rows = []
+    for cfg in (None, *sweep):
+        row: dict[str, object] = {"M K N": f"{m} {k} {n}", "config": describe(cfg) if cfg else ""}
+        try:
+            run, used = case.ours(cfg)
+            row["config"] = describe(used)
+            err = relative_error(run(), expected)
+            if not err <= MAX_REL_ERR:
+                raise RuntimeError(f"relative error {err:.2e} against cuBLAS")
+            us = time_interleaved({"cuBLAS": case.cublas, "ours": run}, iters)
+        except Exception as e:  # one config that does not build or is wrong must not hide the others
+            if cfg is None:
+                raise
+            print(f"  {m} {k} {n} {cfg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            err, us = float("nan"), {"cuBLAS": float("nan"), "ours": float("nan")}
+        row.update(
+            {
+                "cuBLAS us": us["cuBLAS"],
+                "ours us": us["ours"],
+                "ours / cuBLAS": us["ours"] / us["cuBLAS"],
+                "cuBLAS TFLOP/s": flops / us["cuBLAS"] / 1e6,
+                "ours TFLOP/s": flops / us["ours"] / 1e6,
+                "rel err": err,
+            }
+        )
+        print(("" if cfg is None else "  sweep ") + str(row), flush=True)
+        rows.append(row)
+    return rows[0], rows[1:]
+
+
+def main_alone(
+    name: str, args: argparse.Namespace, make_alone: Callable[..., AloneCase], sweep: Sequence[Any]
+) -> None:
+    """`--gemm-alone`: every shape on this process's GPU; writes `<name>_gemm-<device>`."""
+    if not torch.cuda.is_available():
+        raise SystemExit("--gemm-alone times the GEMM on a GPU; none is visible")
+    if not 0 <= args.rank < args.world:
+        raise SystemExit(f"--rank {args.rank} is not a rank of --world {args.world}")
+    rows, sweep_rows = [], []
+    for spec in args.shapes:
+        m, k, n = (int(v) for v in spec.split(","))
+        if m % args.world:
+            raise SystemExit(f"M={m} does not split over --world {args.world} ranks")
+        row, swept = measure_alone(m, k, n, make_alone(m, k, n, args.world, args.rank), args.iters, sweep)
+        rows.append(row)
+        sweep_rows += swept
+        torch.cuda.empty_cache()
+    flags = f" --world {args.world} --rank {args.rank} --iters {args.iters}" + (
+        " --sweep" if args.sweep else ""
+    )
+    config_fields = [f.name for f in dataclasses.fields(sweep[0])] if sweep else []
+    text = (
+        f"The kernel's own GEMM (config picking, tile schedule, descriptors and launches of one call of "
+        f"rank {args.rank} of {args.world}) with the communication taken out (kernels' GemmAlone), against "
+        f"torch.matmul on the same operands, one GPU, one process. Microseconds: the median of {args.iters} "
+        "single calls, each after an L2 flush, ours and cuBLAS interleaved. Command: python -m "
+        f"benchmarks.bench_{name} --gemm-alone{flags}"
+        + (f". Config: {' '.join(config_fields)} (options named when not at their default)" if sweep else "")
+    )
+    worst = max((r["ours / cuBLAS"] for r in rows), default=math.nan)
+    print(f"worst ours / cuBLAS at the kernel's own configs: {worst:.3f}", flush=True)
+    write_results(f"{name}_gemm", rows, text)
+    if sweep_rows:
+        write_results(f"{name}_gemm_sweep", sweep_rows, "GEMM config sweep; " + text)
 
 
 def measure(m: int, k: int, n: int, case: Case, args: argparse.Namespace, sweep: Sequence[Any]):
@@ -84,15 +228,26 @@ def main(
     sweep: Sequence[Any],
     make_case: Callable[[int, int, int, dist.ProcessGroup], Case],
     notes: Callable[[int, argparse.Namespace], str],
+    make_alone: Callable[[int, int, int, int, int], AloneCase],
 ) -> None:
     """Parse the shared options, run every shape on every rank, and let rank 0 write
-    `<name>-<device>` (and `<name>_sweep-<device>` with --sweep)."""
+    `<name>-<device>` (and `<name>_sweep-<device>` with --sweep); with --gemm-alone, `main_alone`."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--shapes", nargs="*", default=[",".join(map(str, s)) for s in shapes], help="M,K,N ...")
     p.add_argument("--reps", type=int, default=3, help="back-to-back calls per timed sample")
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--sweep", action="store_true", help="also time every GEMM config of the sweep")
+    p.add_argument(
+        "--gemm-alone",
+        action="store_true",
+        help="one GPU, no torchrun: our GEMM with the communication taken out against cuBLAS",
+    )
+    p.add_argument("--world", type=int, default=4, help="--gemm-alone: the ranks whose call is timed")
+    p.add_argument("--rank", type=int, default=0, help="--gemm-alone: the rank whose call is timed")
     args = p.parse_args()
+    if args.gemm_alone:
+        main_alone(name, args, make_alone, sweep if args.sweep else ())
+        return
 
     group = init_gpu_ranks()
     world = dist.get_world_size()

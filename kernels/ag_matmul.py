@@ -100,12 +100,19 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     splits: int  # flag runs per rank's rows (copy-engine chunks)
+    # Options for sweeps, off in the table until measured. flatten: the persistent loop and the K loop
+    # fused into one software-pipelined loop (Triton's `flatten`), so the next tile's first loads are in
+    # flight during this tile's epilogue. epilogue_split: the C tile stored in 1 or 2 column slices
+    # (half the epilogue staging in shared memory, room for a deeper pipeline).
+    flatten: bool = False
+    epilogue_split: int = 1
 
 
 # (largest total N over the weights, config), first match. 128x256x64 / 8 warps / 3 stages is the
 # wgmma-friendly Hopper tile (208 KiB of shared memory with the epilogue tile, no register spills);
 # narrow outputs get 128x128 tiles so that enough tiles exist to fill the SMs. Not yet measured on
-# H200: refine from `torchrun --nproc_per_node=4 benchmarks/bench_ag_matmul.py --sweep`.
+# H200: refine from `torchrun --nproc_per_node=4 benchmarks/bench_ag_matmul.py --sweep`, the GEMM alone
+# from `python -m benchmarks.bench_ag_matmul --gemm-alone --sweep` on one GPU.
 CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
     (1024, GemmConfig(128, 128, 64, 8, 8, 4, 4)),
     (1 << 62, GemmConfig(128, 256, 64, 8, 8, 3, 4)),
@@ -233,16 +240,71 @@ def _wait_rows(flag_ptr, status_ptr, where, src, timeout_ns, OP_ID: tl.constexpr
 
 
 @triton.jit
+def _wait_rows_unbranched(flag_ptr, target, piece, status_ptr, where, src, timeout_ns, OP_ID: tl.constexpr):
+    """`_wait_rows` for the flattened loop, which Triton pipelines only without branches or CTA
+    barriers in it: every thread spins on the flag itself (acquire, system scope) until it reaches
+    `target`, bounded, then fences the async proxy, all in one asm that hands `piece` back: the TMA
+    loads that use the returned piece depend on the wait. A timeout is recorded by masked stores; once
+    the status word is set, later waits do not spin."""
+    one = tl.zeros([1], tl.int32)  # inline asm wants blocks, not scalars
+    failed = tl.load(status_ptr + one, volatile=True)
+    budget = tl.where(failed == 0, one.to(tl.int64) + timeout_ns, 0)
+    late, piece_after = tl.inline_asm_elementwise(
+        """
+        {
+        .reg .pred %p<2>;
+        .reg .s32 %v;
+        .reg .u64 %t0, %t1;
+        mov.u64 %t0, %globaltimer;
+        mov.u32 $0, 0;
+        L_spin:
+        ld.acquire.sys.global.u32 %v, [$2];
+        sub.s32 %v, %v, $3;
+        setp.ge.s32 %p0, %v, 0;
+        @%p0 bra L_done;
+        mov.u64 %t1, %globaltimer;
+        sub.u64 %t1, %t1, %t0;
+        setp.lt.u64 %p1, %t1, $4;
+        @%p1 bra L_spin;
+        mov.u32 $0, 1;
+        L_done:
+        fence.proxy.async.global;
+        mov.u32 $1, $5;
+        }
+        """,
+        "=r,=r,l,r,l,r",
+        [flag_ptr + one, one + target, budget, one + piece],
+        dtype=(tl.int32, tl.int32),
+        is_pure=False,
+        pack=1,
+    )
+    timed_out = (late != 0) & (failed == 0)
+    tl.store(status_ptr + 1 + one, one + OP_ID, mask=timed_out)
+    tl.store(status_ptr + 2 + one, one + where, mask=timed_out)
+    tl.store(status_ptr + 3 + one, one + src, mask=timed_out)
+    tl.atomic_xchg(status_ptr + one, one + 1, mask=timed_out)
+    return tl.max(piece_after, axis=0)
+
+
+@triton.jit
 def _tile(a_desc, a_piece, b_desc, c_desc, c_piece, row0, n0, k_tiles,
-          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_KN: tl.constexpr):  # fmt: skip
+          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_KN: tl.constexpr,
+          EPI: tl.constexpr):  # fmt: skip
     """C[c_piece, row0:+BM, n0:+BN] = A[a_piece, row0:+BM, :] @ B[:, n0:+BN], fp32 accumulation. B_KN:
-    B is stored [K, N]; otherwise [N, K] (an nn.Linear weight, used transposed)."""
+    B is stored [K, N]; otherwise [N, K] (an nn.Linear weight, used transposed). EPI: store C in 1 or 2
+    column slices (`c_desc`'s block is BN / EPI wide)."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for ki in range(k_tiles):
         k = ki * BK
         a = a_desc.load([a_piece, row0, k]).reshape(BM, BK)
         acc = tl.dot(a, b_desc.load([k, n0]), acc) if B_KN else tl.dot(a, b_desc.load([n0, k]).T, acc)
-    c_desc.store([c_piece, row0, n0], acc.to(c_desc.dtype).reshape(1, BM, BN))
+    c = acc.to(c_desc.dtype)
+    if EPI == 2:
+        left, right = tl.split(tl.permute(tl.reshape(c, (BM, 2, BN // 2)), (0, 2, 1)))
+        c_desc.store([c_piece, row0, n0], left.reshape(1, BM, BN // 2))
+        c_desc.store([c_piece, row0, n0 + BN // 2], right.reshape(1, BM, BN // 2))
+    else:
+        c_desc.store([c_piece, row0, n0], c.reshape(1, BM, BN))
 
 
 @triton.jit
@@ -250,16 +312,17 @@ def _tile_of_weight(
     a_desc, a_piece, b0_desc, b1_desc, b2_desc, b3_desc, c0_desc, c1_desc, c2_desc, c3_desc,
     w, c_piece, row0, n0, k_tiles,
     NUM_W: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_KN: tl.constexpr,
+    EPI: tl.constexpr,
 ):  # fmt: skip
     """`_tile` with weight w's B and C descriptors (descriptors cannot be indexed at run time)."""
     if w == 0:
-        _tile(a_desc, a_piece, b0_desc, c0_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN)
+        _tile(a_desc, a_piece, b0_desc, c0_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN, EPI)
     if NUM_W > 1 and w == 1:
-        _tile(a_desc, a_piece, b1_desc, c1_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN)
+        _tile(a_desc, a_piece, b1_desc, c1_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN, EPI)
     if NUM_W > 2 and w == 2:
-        _tile(a_desc, a_piece, b2_desc, c2_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN)
+        _tile(a_desc, a_piece, b2_desc, c2_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN, EPI)
     if NUM_W > 3 and w == 3:
-        _tile(a_desc, a_piece, b3_desc, c3_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN)
+        _tile(a_desc, a_piece, b3_desc, c3_desc, c_piece, row0, n0, k_tiles, BM, BN, BK, B_KN, EPI)
 
 
 @triton.jit
@@ -268,7 +331,7 @@ def _ag_matmul_kernel(
     flags_ptr, status_ptr, timeout_ns, k, tiles_per_piece, pieces, nt0, nt1, nt2, nt3,
     RANK: tl.constexpr, WORLD: tl.constexpr, NUM_W: tl.constexpr, SPLITS: tl.constexpr,
     B_KN: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, OP_ID: tl.constexpr, FENCE: tl.constexpr,
+    GROUP_M: tl.constexpr, OP_ID: tl.constexpr, FENCE: tl.constexpr, FLAT: tl.constexpr, EPI: tl.constexpr,
 ):  # fmt: skip
     """Persistent GEMM over the gathered rows: program i takes tiles i, i + G, ... of `_tile_coords`'
     order. Own rows are read from this rank's shard (`own_desc`, [P, R, K]) without waiting; a peer's
@@ -276,23 +339,32 @@ def _ag_matmul_kernel(
     tiles_per_rank = pieces * tiles_per_piece
     total = WORLD * tiles_per_rank * (nt0 + nt1 + nt2 + nt3)
     k_tiles = tl.cdiv(k, BK)
-    for tile in range(tl.program_id(0), total, tl.num_programs(0)):
+    for tile in tl.range(tl.program_id(0), total, tl.num_programs(0), flatten=FLAT):
         src, q, piece, row_tile, w, n_tile = _tile_coords(
             tile, tiles_per_rank, tiles_per_piece, nt0, nt1, nt2, nt3,
             RANK, WORLD, NUM_W, SPLITS, GROUP_M,
         )  # fmt: skip
         row0 = row_tile * BM
         n0 = n_tile * BN
-        a_d = own_desc
         a_piece = piece // WORLD
-        if src != RANK:
+        if FLAT and FENCE:
+            # Every tile waits (own rows on target 0: at once), and the loads' coordinate comes out of
+            # the wait, so that the pipeliner cannot issue a tile's loads before its wait.
+            flag = src * SPLITS + q
+            a_piece = _wait_rows_unbranched(
+                flags_ptr + flag, (src != RANK).to(tl.int32), tl.where(src != RANK, piece, a_piece),
+                status_ptr, FLAG_WHERE_BASE + flag, src, timeout_ns, OP_ID,
+            )  # fmt: skip
+        elif src != RANK:
             flag = src * SPLITS + q
             _wait_rows(flags_ptr + flag, status_ptr, FLAG_WHERE_BASE + flag, src, timeout_ns, OP_ID, FENCE)
-            a_d = a_desc
             a_piece = piece
+        a_d = own_desc
+        if src != RANK:
+            a_d = a_desc
         _tile_of_weight(
             a_d, a_piece, b0_desc, b1_desc, b2_desc, b3_desc, c0_desc, c1_desc, c2_desc,
-            c3_desc, w, piece, row0, n0, k_tiles, NUM_W, BM, BN, BK, B_KN,
+            c3_desc, w, piece, row0, n0, k_tiles, NUM_W, BM, BN, BK, B_KN, EPI,
         )  # fmt: skip
 
 
@@ -340,6 +412,8 @@ def launch_gemm(
     if len(kn) != 1:
         raise ValueError("all weights of one call must share a layout ([K, N] or weight.t() views)")
     b_kn = kn.pop()
+    if config.epilogue_split not in (1, 2):
+        raise ValueError(f"epilogue_split must be 1 or 2, got {config.epilogue_split}")
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     pw, r, k = layout.pieces * layout.world, layout.rows, layout.k
     a_desc = TensorDescriptor(a_out, [pw, r, k], [r * k, k, 1], [1, bm, bk])
@@ -351,7 +425,7 @@ def launch_gemm(
             b_descs.append(TensorDescriptor(b, [k, n], [n, 1], [bk, bn]))
         else:
             b_descs.append(TensorDescriptor(b.t(), [n, k], [k, 1], [bn, bk]))
-        c_descs.append(TensorDescriptor(c, [pw, r, n], [r * n, n, 1], [1, bm, bn]))
+        c_descs.append(TensorDescriptor(c, [pw, r, n], [r * n, n, 1], [1, bm, bn // config.epilogue_split]))
         n_tiles.append(triton.cdiv(n, bn))
     unused = MAX_WEIGHTS - len(bs)
     b_descs += [b_descs[0]] * unused
@@ -362,8 +436,106 @@ def launch_gemm(
         flags, status, timeout_ns, k, triton.cdiv(r, bm), layout.pieces, *n_tiles,
         RANK=rank, WORLD=layout.world, NUM_W=len(bs), SPLITS=config.splits, B_KN=b_kn,
         BM=bm, BN=bn, BK=bk, GROUP_M=config.group_m, OP_ID=OP, FENCE=not INTERPRETED,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        FLAT=config.flatten, EPI=config.epilogue_split, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )  # fmt: skip
+
+
+def resolve_config(layout: GatherLayout, bs: Sequence[torch.Tensor], config: GemmConfig | None) -> GemmConfig:
+    """The config a call runs: `config` or the table's for these weights, its splits clamped to the row
+    tiles per rank."""
+    cfg = config or pick_config(sum(b.shape[1] for b in bs))
+    tiles_per_rank = layout.pieces * triton.cdiv(layout.rows, cfg.block_m)
+    return dataclasses.replace(cfg, splits=max(1, min(cfg.splits, tiles_per_rank)))
+
+
+def sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def run_gemms(
+    own: torch.Tensor,
+    a_out: torch.Tensor,
+    layout: GatherLayout,
+    bs: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    flags: torch.Tensor,
+    status: torch.Tensor,
+    rank: int,
+    config: GemmConfig,
+    num_sms: int,
+    timeout_ns: int,
+) -> None:
+    """The GEMM launches of one call (`launch_gemm` with up to MAX_WEIGHTS weights each), one program
+    per SM or per tile where there are fewer tiles."""
+    for start in range(0, len(bs), MAX_WEIGHTS):
+        part = slice(start, start + MAX_WEIGHTS)
+        tiles = (
+            layout.world
+            * layout.pieces
+            * triton.cdiv(layout.rows, config.block_m)
+            * sum(triton.cdiv(b.shape[1], config.block_n) for b in bs[part])
+        )
+        launch_gemm(
+            own,
+            a_out,
+            layout,
+            bs[part],
+            outs[part],
+            flags,
+            status,
+            rank,
+            config,
+            min(num_sms, tiles),
+            timeout_ns,
+        )
+
+
+class GemmAlone:
+    """The GEMM of one `all_gather_matmul_kernel` call of rank `rank` of `world`, with the communication
+    taken out: the gathered `a` is already in place and every flag is set, so no tile waits. Same config
+    picking, tile schedule, descriptors and launches as the call (`run_gemms`), in one process without
+    a process group: what `--gemm-alone` in the benchmarks times beside torch.matmul on `a`.
+
+    `a` is the gathered input (dim `dim` holds the W shards in rank order), `bs` the weights as the call
+    takes them; `run()` returns [a @ b for b in bs] (preallocated outputs, rewritten by every run).
+    `num_sms` (default: the device's) caps the programs per launch."""
+
+    def __init__(
+        self,
+        a: torch.Tensor,
+        bs: Sequence[torch.Tensor],
+        dim: int,
+        rank: int,
+        world: int,
+        config: GemmConfig | None = None,
+        num_sms: int | None = None,
+    ) -> None:
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in a world of {world}")
+        dim %= a.dim()
+        if a.shape[dim] % world:
+            raise ValueError(f"dim {dim} of a has size {a.shape[dim]}, which is not {world} shards")
+        shard_shape = list(a.shape)
+        shard_shape[dim] //= world
+        self.layout = gather_layout(shard_shape, dim, world)
+        self.a = a.contiguous()
+        a4 = self.a.view(self.layout.pieces, world, self.layout.rows, self.layout.k)
+        self.own = a4[:, rank].contiguous()  # the call reads its own rows from its symmetric buffer
+        self.bs = list(bs)
+        self.rank = rank
+        self.config = resolve_config(self.layout, self.bs, config)
+        self.num_sms = num_sms if num_sms is not None else sm_count(a.device)
+        self.flags = torch.ones(world * self.config.splits + 1, dtype=torch.uint32, device=a.device)
+        self.status = torch.zeros(4, dtype=torch.int32, device=a.device)
+        self.outs = [torch.empty((*a.shape[:-1], b.shape[1]), dtype=a.dtype, device=a.device) for b in bs]
+
+    def run(self) -> list[torch.Tensor]:
+        run_gemms(
+            self.own, self.a, self.layout, self.bs, self.outs, self.flags, self.status, self.rank,
+            self.config, self.num_sms, int(DEFAULT_TIMEOUT_S * 1e9),
+        )  # fmt: skip
+        return self.outs
 
 
 # ------------------------------------------------------------------------------------ reference
@@ -505,9 +677,7 @@ def all_gather_matmul_kernel(
         )
     buf = prepare(group, nbytes)
     rank = buf.rank
-    cfg = config or pick_config(sum(b.shape[1] for b in bs))
-    tiles_per_rank = layout.pieces * triton.cdiv(layout.rows, cfg.block_m)
-    cfg = dataclasses.replace(cfg, splits=max(1, min(cfg.splits, tiles_per_rank)))
+    cfg = resolve_config(layout, bs, config)
     splits = cfg.splits
     plan = copy_plan(layout, cfg.block_m, splits)
     timeout_ns = int(timeout_s * 1e9)
@@ -541,23 +711,7 @@ def all_gather_matmul_kernel(
         for b in range(layout.pieces):
             a4[b, rank].copy_(shard[b])
     # The GEMM starts on this rank's rows (read from the symmetric buffer) while the copies run.
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-    for start in range(0, len(bs), MAX_WEIGHTS):
-        part = slice(start, start + MAX_WEIGHTS)
-        tiles = world * tiles_per_rank * sum(triton.cdiv(b.shape[1], cfg.block_n) for b in bs[part])
-        launch_gemm(
-            mine,
-            a,
-            layout,
-            bs[part],
-            outs[part],
-            flags,
-            buf.status,
-            rank,
-            cfg,
-            min(num_sms, tiles),
-            timeout_ns,
-        )
+    run_gemms(mine, a, layout, bs, outs, flags, buf.status, rank, cfg, sm_count(device), timeout_ns)
     main.wait_stream(side)
     _run_barrier(buf, timeout_ns)
     return a, outs

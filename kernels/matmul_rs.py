@@ -114,7 +114,8 @@ class GemmConfig:
 
 # (largest N, config), first match. 128x256x64 / 8 warps / 3 stages is the wgmma-friendly Hopper tile;
 # narrow outputs get 128x128 tiles so that enough tiles exist to fill the SMs. Not yet measured on
-# H200: refine from `torchrun --nproc_per_node=4 benchmarks/bench_matmul_rs.py --sweep`.
+# H200: refine from `torchrun --nproc_per_node=4 benchmarks/bench_matmul_rs.py --sweep`, the GEMM alone
+# from `python -m benchmarks.bench_matmul_rs --gemm-alone --sweep` on one GPU.
 CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
     (1024, GemmConfig(128, 128, 64, 8, 8, 4)),
     (1 << 62, GemmConfig(128, 256, 64, 8, 8, 3)),
@@ -413,6 +414,91 @@ def launch(
     )  # fmt: skip
 
 
+def grid_size(layout: ScatterLayout, config: GemmConfig, num_sms: int) -> int:
+    """Programs of a whole call's launch: one per SM, or per tile where there are fewer tiles."""
+    return min(num_sms, layout.world * layout.tiles_per_dest(config), EPOCH_SLOTS)
+
+
+# A flag value every call's target (epoch + 1) is below for the next 2**30 calls: a flag that never waits.
+_ALWAYS_SET = 1 << 30
+
+
+class GemmAlone:
+    """The GEMM of one `matmul_reduce_scatter_kernel` call of rank `rank` of `world`, with the
+    communication taken out: the peers' "symmetric buffers" are local tensors (one data and one flag
+    buffer per rank, as in the call), so the pushes of the peers' rows land in local memory, and this
+    rank's own tiles find their flags already set and the peers' partials in place (zeros: the output
+    is this rank's rows of a @ b). Same config picking, tile schedule, descriptors and launch as the
+    call (`launch`), in one process without a process group: what `--gemm-alone` in the benchmarks
+    times beside torch.matmul on the same operands.
+
+    `run()` returns the output shard (preallocated, rewritten by every run); `pushed(dest)` the partial
+    of destination `dest`'s rows the last run pushed. `num_sms` (default: the device's) caps the grid."""
+
+    def __init__(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        dim: int,
+        rank: int,
+        world: int,
+        config: GemmConfig | None = None,
+        num_sms: int | None = None,
+    ) -> None:
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in a world of {world}")
+        layout = scatter_layout(a.shape, dim, b.shape[1], world)
+        self.layout, self.rank = layout, rank
+        self.config = config or pick_config(layout.n)
+        dev = a.device
+        self.a = a.contiguous().view(layout.pieces, world, layout.rows, layout.k)
+        self.b = b
+        self.out = torch.empty(output_shape(a.shape, dim, layout.n, world), dtype=a.dtype, device=dev)
+        flag_half = (world - 1) * layout.tiles_per_dest(self.config)
+        self.data = [
+            torch.zeros(2 * layout.half_bytes(), dtype=torch.uint8, device=dev) for _ in range(world)
+        ]
+        self.flags = [torch.zeros(2 * flag_half, dtype=torch.int32, device=dev) for _ in range(world)]
+        self.flags[rank].fill_(_ALWAYS_SET)
+        self.tables = [
+            torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=dev)
+            for ts in (self.data, self.flags)
+        ]
+        self.epochs = torch.zeros(EPOCH_SLOTS, dtype=torch.int32, device=dev)
+        self.buffers = Buffers(
+            data_table=self.tables[0].data_ptr(),
+            data_offset=0,
+            data_half=layout.half_bytes(),
+            flag_table=self.tables[1].data_ptr(),
+            flag_offset=0,
+            flag_half=flag_half,
+            epochs=self.epochs,
+            status=torch.zeros(4, dtype=torch.int32, device=dev),
+        )
+        num_sms = (
+            num_sms if num_sms is not None else torch.cuda.get_device_properties(dev).multi_processor_count
+        )
+        self.num_programs = grid_size(layout, self.config, num_sms)
+
+    def run(self) -> torch.Tensor:
+        out = self.out.view(self.layout.pieces, self.layout.rows, self.layout.n)
+        launch(self.a, self.b, out, self.layout, self.buffers, self.rank, self.config, self.num_programs,
+               int(DEFAULT_TIMEOUT_S * 1e9))  # fmt: skip
+        return self.out
+
+    def pushed(self, dest: int) -> torch.Tensor:
+        """[P, R, N]: the partial of `dest`'s rows that the last run pushed into `dest`'s data buffer."""
+        if dest == self.rank or not 0 <= dest < self.layout.world:
+            raise ValueError(f"rank {self.rank} pushes to the other ranks of {self.layout.world}, not {dest}")
+        last = int(self.epochs[0].item()) - 1  # the epoch of the last run picked its buffer half
+        if last < 0:
+            raise ValueError("nothing pushed yet: call run() first")
+        slot = (self.rank - dest) % self.layout.world - 1
+        half = self.data[dest].view(2, -1)[last % 2].view(self.out.dtype)
+        n = self.layout.slot_numel()
+        return half[slot * n : (slot + 1) * n].view(self.layout.pieces, self.layout.rows, self.layout.n)
+
+
 # ------------------------------------------------------------------------------------ reference
 
 # torch >= 2.13 names it reduce_scatter_single; torch 2.11 (the GPU hosts) only reduce_scatter_tensor.
@@ -568,7 +654,6 @@ def matmul_reduce_scatter_kernel(
         b = b.clone() if is_kn_layout(b) else b.t().clone().t()
     a4 = a.view(layout.pieces, world, layout.rows, layout.k)
     out = torch.empty(output_shape(a.shape, dim, layout.n, world), dtype=a.dtype, device=a.device)
-    tiles = world * layout.tiles_per_dest(cfg)
     num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     launch(
         a4,
@@ -578,7 +663,7 @@ def matmul_reduce_scatter_kernel(
         buffers,
         dist.get_rank(group),
         cfg,
-        min(num_sms, tiles, EPOCH_SLOTS),
+        grid_size(layout, cfg, num_sms),
         int(timeout_s * 1e9),
     )
     return out

@@ -161,11 +161,13 @@ def _compile_sm90(world: int, config: ag.GemmConfig, b_kn: bool, num_w: int) -> 
     b_block = f"[{bk},{bn}]" if b_kn else f"[{bn},{bk}]"
     sig = {"own_desc": f"tensordesc<bf16[1,{bm},{bk}]>", "a_desc": f"tensordesc<bf16[1,{bm},{bk}]>"}
     sig.update({f"b{i}_desc": f"tensordesc<bf16{b_block}>" for i in range(ag.MAX_WEIGHTS)})
-    sig.update({f"c{i}_desc": f"tensordesc<bf16[1,{bm},{bn}]>" for i in range(ag.MAX_WEIGHTS)})
+    c_block = f"[1,{bm},{bn // config.epilogue_split}]"
+    sig.update({f"c{i}_desc": f"tensordesc<bf16{c_block}>" for i in range(ag.MAX_WEIGHTS)})
     sig.update({"flags_ptr": "*u32", "status_ptr": "*i32", "timeout_ns": "i64"})
     sig.update(dict.fromkeys(["k", "tiles_per_piece", "pieces", "nt0", "nt1", "nt2", "nt3"], "i32"))
     const = {"RANK": world - 1, "WORLD": world, "NUM_W": num_w, "SPLITS": config.splits, "B_KN": b_kn,
-             "BM": bm, "BN": bn, "BK": bk, "GROUP_M": config.group_m, "OP_ID": 1, "FENCE": True}  # fmt: skip
+             "BM": bm, "BN": bn, "BK": bk, "GROUP_M": config.group_m, "OP_ID": 1, "FENCE": True,
+             "FLAT": config.flatten, "EPI": config.epilogue_split}  # fmt: skip
     return compile_ptx(
         ag._ag_matmul_kernel, sig, const, ("flags_ptr", "status_ptr"),
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -173,11 +175,20 @@ def _compile_sm90(world: int, config: ag.GemmConfig, b_kn: bool, num_w: int) -> 
 
 
 def check_sm90_ptx() -> None:
-    """Compile the GEMM for sm_90 with the table's configs and check the PTX has what the design relies
+    """Compile the GEMM for sm_90 with the table's configs and every config the benchmark sweeps (one
+    weight, nn.Linear layout, as the benchmark runs them), and check the PTX has what the design relies
     on. Runs in a process without TRITON_INTERPRET (the interpreter replaces @triton.jit)."""
-    for world, n_total, b_kn, num_w in [(4, 7168, False, 1), (2, 1000, True, 3), (8, 14336, False, 4)]:
-        ptx = _compile_sm90(world, ag.pick_config(n_total), b_kn, num_w)
-        what = f"world {world} N {n_total} kn={b_kn} weights {num_w}"
+    from benchmarks.bench_ag_matmul import SWEEP
+
+    cases = [
+        (4, ag.pick_config(n), kn, num_w)
+        for n, kn, num_w in [(7168, False, 1), (1000, True, 3), (14336, False, 4)]
+    ]
+    cases += [(4, cfg, False, 1) for cfg in SWEEP]
+    cases.append((8, next(cfg for cfg in SWEEP if cfg.flatten), True, 3))  # several K loops, unflattened
+    for world, config, b_kn, num_w in cases:
+        ptx = _compile_sm90(world, config, b_kn, num_w)
+        what = f"world {world} {config} kn={b_kn} weights {num_w}"
         assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, f"{what}: no wgmma / TMA loads"
         assert "ld.acquire.sys" in ptx and "%globaltimer" in ptx, f"{what}: waits must be bounded acquires"
         assert "fence.proxy.async" in ptx, f"{what}: no proxy fence between the flag and the TMA loads"
@@ -206,6 +217,49 @@ def test_launch_gemm_refuses_mixed_layouts() -> None:
             1,
             1,
         )
+
+
+ALONE_CASES = [  # world, rank, gathered a's shape, dim, Ns, [K, N] layout, config
+    (2, 1, (74, 40), 0, [24], True, ag.GemmConfig(16, 16, 16, 2, 4, 2, 2)),
+    (4, 2, (2, 52, 24), 1, [40, 8, 16, 24, 8], False, ag.GemmConfig(16, 32, 16, 1, 4, 2, 3)),
+    (8, 5, (3, 16, 16), 1, [16, 8], True, ag.GemmConfig(16, 16, 8, 4, 4, 3, 1)),
+    # The sweep's options: the C tile stored in halves; the flattened loop (its own wait on the GPU).
+    (4, 1, (2, 52, 24), 1, [40, 24], True, ag.GemmConfig(16, 32, 16, 2, 4, 2, 2, epilogue_split=2)),
+    (4, 3, (100, 24), 0, [24, 8], False, ag.GemmConfig(16, 16, 16, 2, 4, 2, 2, flatten=True)),
+]
+
+
+@pytest.mark.parametrize("case", ALONE_CASES)
+def test_gemm_alone_equals_matmul(case) -> None:
+    """The GEMM of a call with the gather taken out (what `--gemm-alone` times): the same launches over
+    every tile, flags set, more weights than one launch takes; outputs poisoned before each run."""
+    world, rank, shape, dim, ns, kn, config = case
+    a = torch.randn(shape).half()
+    bs = [torch.randn(shape[-1], n).half() if kn else torch.randn(n, shape[-1]).half().t() for n in ns]
+    alone = ag.GemmAlone(a, bs, dim, rank, world, config, num_sms=3)
+    assert alone.config == ag.resolve_config(alone.layout, bs, config), "the call's config picking"
+    for _ in range(2):
+        for out in alone.outs:
+            out.fill_(float("nan"))
+        outs = alone.run()
+        assert alone.status.tolist() == [0, 0, 0, 0]
+        for i, (b, out) in enumerate(zip(bs, outs, strict=True)):
+            ref = a.float() @ b.float()
+            assert not out.isnan().any(), f"weight {i}: tiles left unwritten"
+            err = (out.float() - ref).norm() / ref.norm()
+            assert err < 2e-3, f"weight {i}: relative error {err:.2e}"
+
+
+def test_gemm_alone_validates() -> None:
+    a, b = torch.zeros(12, 16).half(), torch.zeros(16, 8).half()
+    with pytest.raises(ValueError, match="not in a world of 4"):
+        ag.GemmAlone(a, [b], 0, 4, 4, num_sms=1)
+    with pytest.raises(ValueError, match="not 8 shards"):
+        ag.GemmAlone(a, [b], 0, 0, 8, num_sms=1)
+    with pytest.raises(ValueError, match="epilogue_split must be 1 or 2"):
+        ag.GemmAlone(
+            a, [b], 0, 0, 4, ag.GemmConfig(16, 16, 16, 1, 4, 1, 1, epilogue_split=4), num_sms=1
+        ).run()
 
 
 # ------------------------------------------------------------------------------------ CPU: layout, validation
@@ -343,6 +397,17 @@ def _correctness(rank: int, world: int) -> None:
             torch.cuda.synchronize()
             ag.check()
             _check(a, outs, *_reference(shard, bs, dim), f"rank {rank} {shape} dim={dim} N={ns} kn={kn}")
+    # The flattened loop of the sweep: its unbranched wait must hold the peers' rows back as well.
+    flat = ag.GemmConfig(128, 128, 64, 8, 4, 4, 4, flatten=True)
+    for shape, dim, ns, kn in (GPU_CASES[2], GPU_CASES[3], GPU_CASES[5]):
+        torch.manual_seed(17 * rank)
+        shard = torch.randn(shape, device=dev, dtype=torch.bfloat16)
+        torch.manual_seed(1)
+        bs = _weights(shape[-1], ns, kn, dev)
+        a, outs = ag.all_gather_matmul_kernel(shard, bs, dim, dist.group.WORLD, config=flat)
+        torch.cuda.synchronize()
+        ag.check()
+        _check(a, outs, *_reference(shard, bs, dim), f"rank {rank} flatten {shape} dim={dim} N={ns}")
     # The fallback (fp32) goes through the same entry point.
     shard = torch.randn(64, 64, device=dev)
     a, outs = ag.all_gather_matmul(shard, [torch.ones(64, 8, device=dev)], 0)
@@ -424,3 +489,28 @@ def _run_on_rank(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", GPU_WORLDS)
 def test_ag_matmul_gpu(world: int) -> None:
     run_ranks(_run_on_rank, world, backend="nccl")
+
+
+@pytest.mark.gpu
+def test_gemm_alone_gpu() -> None:
+    """On one GPU, bf16: the GEMM alone (what `--gemm-alone` times) with the table's config and every
+    config of the benchmark's sweep (the flattened loop's own wait included, which the interpreter
+    skips), ragged rows (M/W = 129), K and N, against torch.matmul; outputs poisoned."""
+    from benchmarks.bench_ag_matmul import SWEEP
+
+    torch.manual_seed(0)
+    a = torch.randn(4 * 129, 3008, device="cuda", dtype=torch.bfloat16)
+    bs = [
+        (torch.randn(n, 3008, device="cuda", dtype=torch.bfloat16) / math.sqrt(3008)).t()
+        for n in (1000, 2048)
+    ]
+    for config in (None, *SWEEP):
+        alone = ag.GemmAlone(a, bs, 0, 1, 4, config)
+        for out in alone.outs:
+            out.fill_(float("nan"))
+        outs = alone.run()
+        for i, (b, out) in enumerate(zip(bs, outs, strict=True)):
+            ref = a.float() @ b.float()
+            assert not out.isnan().any(), f"{alone.config} weight {i}: tiles left unwritten"
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            assert err < BF16_RTOL / 4, f"{alone.config} weight {i}: relative error {err:.2e}"

@@ -191,6 +191,48 @@ def test_launch_validates_its_arguments() -> None:
         mrs.launch(a, b, out, layout, sim.buffers(0), 0, config, 1, 1, (0, 3))
 
 
+ALONE_CASES = [  # world, rank, a's shape, dim, N, b as [K, N], config
+    (2, 0, (74, 40), 0, 24, True, mrs.GemmConfig(16, 16, 16, 2, 4, 2)),
+    (4, 3, (2, 52, 24), 1, 40, False, mrs.GemmConfig(16, 32, 16, 1, 4, 2)),
+    (8, 5, (3, 16, 16), 1, 16, True, mrs.GemmConfig(16, 16, 8, 4, 4, 3)),
+]
+
+
+@pytest.mark.parametrize("case", ALONE_CASES)
+def test_gemm_alone_equals_matmul(case) -> None:
+    """The GEMM of a call with the communication taken out (what `--gemm-alone` times): own rows equal
+    this rank's rows of a @ b, every peer's rows were pushed into its local buffer; two runs (both
+    buffer halves), the output poisoned before each."""
+    world, rank, shape, dim, n, kn, config = case
+    a = torch.randn(shape).half()
+    b = torch.randn(shape[-1], n).half() if kn else torch.randn(n, shape[-1]).half().t()
+    alone = mrs.GemmAlone(a, b, dim, rank, world, config, num_sms=3)
+    layout = alone.layout
+    product = (a.float() @ b.float()).view(layout.pieces, world, layout.rows, n)
+    for run in range(2):
+        alone.out.fill_(float("nan"))
+        out = alone.run()
+        assert alone.buffers.status.tolist() == [0, 0, 0, 0], "a wait recorded a timeout"
+        assert alone.epochs.eq(run + 1).all(), "every epoch slot advances once per run"
+        expect = {rank: out.view(layout.pieces, layout.rows, n)}
+        expect.update({d: alone.pushed(d) for d in range(world) if d != rank})
+        for d, got in expect.items():
+            assert not got.isnan().any(), f"run {run}, rows of rank {d}: tiles left unwritten"
+            err = (got.float() - product[:, d]).norm() / product[:, d].norm()
+            assert err < 2e-3, f"run {run}, rows of rank {d}: relative error {err:.2e}"
+
+
+def test_gemm_alone_validates() -> None:
+    a, b = torch.zeros(12, 16).half(), torch.zeros(16, 8).half()
+    with pytest.raises(ValueError, match="not in a world of 4"):
+        mrs.GemmAlone(a, b, 0, 4, 4, num_sms=1)
+    alone = mrs.GemmAlone(a, b, 0, 1, 4, num_sms=1)
+    with pytest.raises(ValueError, match="call run"):
+        alone.pushed(0)
+    with pytest.raises(ValueError, match="not 1"):
+        alone.pushed(1)
+
+
 # ------------------------------------------------------------------------------------ CPU: sm_90 build
 
 
@@ -216,10 +258,14 @@ def _compile_sm90(world: int, config: mrs.GemmConfig, b_kn: bool, n_multiple_of_
 
 def check_sm90_ptx() -> None:
     """Compile the kernel for sm_90 with the table's configs and check the PTX has what the design
-    relies on. Runs in a process without TRITON_INTERPRET (the interpreter replaces @triton.jit)."""
+    relies on, and that every config the benchmark sweeps builds (nn.Linear layout, as the benchmark
+    runs them). Runs in a process without TRITON_INTERPRET (the interpreter replaces @triton.jit)."""
+    from benchmarks.bench_matmul_rs import SWEEP
+
     cases = [(4, 4096, False, True), (2, 1024, True, True), (8, 8192, True, True), (4, 1000, False, False)]
-    for world, n, b_kn, n16 in cases:
-        config = mrs.pick_config(n)
+    configs = [(world, mrs.pick_config(n), b_kn, n16) for world, n, b_kn, n16 in cases]
+    configs += [(4, config, False, True) for config in SWEEP]
+    for world, config, b_kn, n16 in configs:
         ptx = _compile_sm90(world, config, b_kn, n16)
         what = f"world {world} {config} kn={b_kn} N%16==0: {n16}"
         assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, f"{what}: no wgmma / TMA loads"
@@ -444,3 +490,29 @@ def _run_on_rank(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", GPU_WORLDS)
 def test_matmul_rs_gpu(world: int) -> None:
     run_ranks(_run_on_rank, world, backend="nccl")
+
+
+@pytest.mark.gpu
+def test_gemm_alone_gpu() -> None:
+    """On one GPU, bf16: the kernel alone (what `--gemm-alone` times), pushes into local memory, with the
+    table's config and every config of the benchmark's sweep, ragged rows (M/W = 129), K and N, against
+    torch.matmul: own rows and every pushed partial; the output poisoned."""
+    from benchmarks.bench_matmul_rs import SWEEP
+
+    torch.manual_seed(0)
+    world, rank = 4, 2
+    a = torch.randn(world * 129, 3008, device="cuda", dtype=torch.bfloat16)
+    for n, kn in ((1000, False), (2048, True)):
+        b = _weight(3008, n, kn, "cuda")
+        product = (a.float() @ b.float()).view(world, 129, n)
+        for config in (None, *SWEEP):
+            alone = mrs.GemmAlone(a, b, 0, rank, world, config)
+            alone.out.fill_(float("nan"))
+            got = {rank: alone.run().view(129, n)}
+            got.update({d: alone.pushed(d)[0] for d in range(world) if d != rank})
+            for d, out in got.items():
+                assert not out.isnan().any(), f"{alone.config} N={n}, rows of rank {d}: tiles left unwritten"
+                err = ((out.float() - product[d]).norm() / product[d].norm()).item()
+                assert err < BF16_RTOL / 4, (
+                    f"{alone.config} N={n}, rows of rank {d}: relative error {err:.2e}"
+                )
