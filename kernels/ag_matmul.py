@@ -528,7 +528,11 @@ class GemmAlone:
         self.num_sms = num_sms if num_sms is not None else sm_count(a.device)
         self.flags = torch.ones(world * self.config.splits + 1, dtype=torch.uint32, device=a.device)
         self.status = torch.zeros(4, dtype=torch.int32, device=a.device)
-        self.outs = [torch.empty((*a.shape[:-1], b.shape[1]), dtype=a.dtype, device=a.device) for b in bs]
+        # NaN until the kernel writes them: a config that wrote nothing would otherwise pass its check on
+        # a block the allocator reused from an earlier config's correct output.
+        self.outs = [
+            torch.full((*a.shape[:-1], b.shape[1]), float("nan"), dtype=a.dtype, device=a.device) for b in bs
+        ]
 
     def run(self) -> list[torch.Tensor]:
         run_gemms(

@@ -453,7 +453,10 @@ class GemmAlone:
         dev = a.device
         self.a = a.contiguous().view(layout.pieces, world, layout.rows, layout.k)
         self.b = b
-        self.out = torch.empty(output_shape(a.shape, dim, layout.n, world), dtype=a.dtype, device=dev)
+        # NaN until the kernel writes it (see ag_matmul.GemmAlone).
+        self.out = torch.full(
+            output_shape(a.shape, dim, layout.n, world), float("nan"), dtype=a.dtype, device=dev
+        )
         flag_half = (world - 1) * layout.tiles_per_dest(self.config)
         self.data = [
             torch.zeros(2 * layout.half_bytes(), dtype=torch.uint8, device=dev) for _ in range(world)
