@@ -73,6 +73,7 @@ from kernels.symm_mem import (
     SymmBuffer,
     advance_epoch,
     barrier,
+    bounded_spin_ptx,
     check_status,
     fence_async_proxy,
     get_symm_buffer,
@@ -239,6 +240,12 @@ def _wait_rows(flag_ptr, status_ptr, where, src, timeout_ns, OP_ID: tl.constexpr
     fence_async_proxy(FENCE)
 
 
+# The bounded spin, then the async-proxy fence, then `$1` <- `$5` (the piece the caller's loads use).
+SPIN_FENCE_PASS_PTX = tl.constexpr(
+    bounded_spin_ptx(2, "        fence.proxy.async.global;\n        mov.u32 $1, $5;\n")
+)
+
+
 @triton.jit
 def _wait_rows_unbranched(flag_ptr, target, piece, status_ptr, where, src, timeout_ns, OP_ID: tl.constexpr):
     """`_wait_rows` for the flattened loop, which Triton pipelines only without branches or CTA
@@ -250,28 +257,7 @@ def _wait_rows_unbranched(flag_ptr, target, piece, status_ptr, where, src, timeo
     failed = tl.load(status_ptr + one, volatile=True)
     budget = tl.where(failed == 0, one.to(tl.int64) + timeout_ns, 0)
     late, piece_after = tl.inline_asm_elementwise(
-        """
-        {
-        .reg .pred %p<2>;
-        .reg .s32 %v;
-        .reg .u64 %t0, %t1;
-        mov.u64 %t0, %globaltimer;
-        mov.u32 $0, 0;
-        L_spin:
-        ld.acquire.sys.global.u32 %v, [$2];
-        sub.s32 %v, %v, $3;
-        setp.ge.s32 %p0, %v, 0;
-        @%p0 bra L_done;
-        mov.u64 %t1, %globaltimer;
-        sub.u64 %t1, %t1, %t0;
-        setp.lt.u64 %p1, %t1, $4;
-        @%p1 bra L_spin;
-        mov.u32 $0, 1;
-        L_done:
-        fence.proxy.async.global;
-        mov.u32 $1, $5;
-        }
-        """,
+        SPIN_FENCE_PASS_PTX,
         "=r,=r,l,r,l,r",
         [flag_ptr + one, one + target, budget, one + piece],
         dtype=(tl.int32, tl.int32),

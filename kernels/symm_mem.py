@@ -343,31 +343,41 @@ def advance_epoch(epoch_ptr, pid, epoch):
         tl.store(epoch_ptr + j, epoch + 1)
 
 
-@triton.jit
-def _spin_until(addrs, target, timeout_ns):
-    """Per element: spin (ld.acquire.sys) until *addr - target >= 0 (signed) or timeout_ns pass.
-    Returns 0 when reached, 1 on timeout."""
-    return tl.inline_asm_elementwise(
-        """
-        {
+def bounded_spin_ptx(flag: int, then: str = "") -> str:
+    """PTX of a bounded wait on a flag, per element: `$0` <- 0 once the u32 at address `$flag` minus
+    `$(flag + 1)` is >= 0 (signed: flags wrap), or 1 once `$(flag + 2)` nanoseconds have passed; then the
+    instructions `then`. Operands before `$flag` are the caller's further outputs."""
+    return f"""
+        {{
         .reg .pred %p<2>;
         .reg .s32 %v;
         .reg .u64 %t0, %t1;
         mov.u64 %t0, %globaltimer;
         mov.u32 $0, 0;
         L_spin:
-        ld.acquire.sys.global.u32 %v, [$1];
-        sub.s32 %v, %v, $2;
+        ld.acquire.sys.global.u32 %v, [${flag}];
+        sub.s32 %v, %v, ${flag + 1};
         setp.ge.s32 %p0, %v, 0;
         @%p0 bra L_done;
         mov.u64 %t1, %globaltimer;
         sub.u64 %t1, %t1, %t0;
-        setp.lt.u64 %p1, %t1, $3;
+        setp.lt.u64 %p1, %t1, ${flag + 2};
         @%p1 bra L_spin;
         mov.u32 $0, 1;
         L_done:
-        }
-        """,
+{then}        }}
+        """
+
+
+SPIN_PTX = tl.constexpr(bounded_spin_ptx(1))
+
+
+@triton.jit
+def _spin_until(addrs, target, timeout_ns):
+    """Per element: spin (ld.acquire.sys) until *addr - target >= 0 (signed) or timeout_ns pass.
+    Returns 0 when reached, 1 on timeout."""
+    return tl.inline_asm_elementwise(
+        SPIN_PTX,
         "=r,l,r,l",
         [addrs, target, timeout_ns],
         dtype=tl.int32,
