@@ -12,9 +12,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
+from tests.multiprocess import run_ranks
 from tests.test_train_serve import CPU, ROOT, TINY, losses, run_script
 from train import lr_lambda
+from training.interrupt import StopRequest
 
 STEPS = 300
 COMMON = [*TINY, CPU, f"training.steps={STEPS}", "checkpoint.every=50"]
@@ -159,6 +162,27 @@ def test_torchrun_ranks_agree_on_the_step_to_stop_after(tmp_path: Path) -> None:
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert metric_steps(tmp_path) == list(range(1, steps + 1))
+
+
+def _signal_during_the_all_reduce(rank: int, world: int) -> None:
+    stop = StopRequest()
+    reduce = dist.all_reduce
+
+    def late_signal(tensor, **kwargs):  # the reduce runs, then the signal lands before it returns
+        reduce(tensor, **kwargs)
+        if rank == 1 and stop.signal is None:
+            stop._handle(signal.SIGINT, None)
+
+    dist.all_reduce = late_signal
+    try:
+        # This step: no rank had a signal when they reduced, so none stops; the next step, all do.
+        assert [stop.agreed(), stop.agreed()] == [False, True]
+    finally:
+        dist.all_reduce = reduce
+
+
+def test_a_signal_during_the_agreement_stops_every_rank_at_the_same_step() -> None:
+    run_ranks(_signal_during_the_all_reduce, 2)
 
 
 def test_second_signal_exits_at_once_and_resume_drops_replayed_rows(tmp_path: Path, straight: Path) -> None:

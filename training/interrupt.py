@@ -60,9 +60,12 @@ class StopRequest:
             return self.signal is not None
         flag = torch.tensor([0 if self.signal is None else int(self.signal)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if self.signal is None and flag.item():
-            self.signal = signal.Signals(int(flag.item()))
-        return self.signal is not None
+        # The answer is the reduced flag alone: a signal that lands while the all-reduce runs counts at
+        # the next step on every rank, not at this one on this rank only.
+        agreed = int(flag.item())
+        if agreed and self.signal is None:
+            self.signal = signal.Signals(agreed)
+        return agreed != 0
 
     @property
     def exit_code(self) -> int:
