@@ -326,10 +326,17 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
                     cp_chunk,
                 )
             except NonFiniteLoss as err:
-                raise SystemExit(
-                    f"loss became {err.args[0]} at step {step}: stopping. The last good checkpoint (step "
-                    f"{last_saved}) is kept in {run_dir / 'checkpoints'}; lower training.lr or check the data"
-                ) from None
+                # Every rank sees the same averaged loss and stops here; rank 0 says why.
+                kept = (
+                    f"the last good checkpoint (step {last_saved}) is kept in {run_dir / 'checkpoints'}"
+                    if last_saved > 0
+                    else "no checkpoint was saved before it"
+                )
+                why = (
+                    f"loss became {err.args[0]} at step {step}: stopping; {kept}. Lower training.lr or check "
+                    "the data"
+                )
+                raise SystemExit(why if rank == 0 else 1) from None
             launch_record.trained = True
             interrupted = stop.agreed() and step < t.steps  # the same answer on every rank
             last_of_launch = interrupted or step in (t.steps, t.stop_at)

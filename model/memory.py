@@ -82,12 +82,12 @@ def training_memory(
 def serving_memory(
     args: ModelArgs, tp: int, dtype: str, batch: int, prompt_len: int, cache_len: int
 ) -> MemoryEstimate:
-    """A decoding rank's peak: its slice of the weights, which serve.py materialises in float32 before
-    casting them to `dtype` (and quantizing them with model.fp8), then the cast (or FP8) weights with
-    the static KV cache and the prefill's full-vocabulary logits."""
+    """A decoding rank's peak: its slice of the weights in `dtype` as serve.py materialises them (before
+    model.fp8 quantizes them block by block), then the resident (or FP8) weights with the static KV
+    cache and the prefill's full-vocabulary logits."""
     params = args.num_params() / tp
     element = getattr(torch, dtype).itemsize
-    loading = 4 * params
+    loading = element * params
     if args.fp8:  # linear layers hold one byte per weight; the embedding stays bf16
         embedding = args.vocab_size * args.dim / tp
         resident = (params - embedding) + 2 * embedding
@@ -96,7 +96,7 @@ def serving_memory(
     kv_cache = 2 * args.n_layers * batch * (args.n_kv_heads // tp) * args.head_dim * cache_len * element
     prefill = batch * prompt_len * (args.vocab_size * element + 3 * args.ffn_hidden // tp * element)
     if loading >= resident + kv_cache + prefill:
-        return MemoryEstimate({"weights while loading (float32)": loading})
+        return MemoryEstimate({f"weights while loading ({dtype})": loading})
     return MemoryEstimate({"weights": resident, "KV cache": kv_cache, "prefill": prefill})
 
 

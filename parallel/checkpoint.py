@@ -145,9 +145,9 @@ def materialize(
     its own shards plus one full tensor at a time."""
     from model.loading import load_weights_into, read_weights
 
-    model.to_empty(device=device)
-    if dtype is not None:
+    if dtype is not None:  # cast on the meta device: the weights are allocated in `dtype` directly
         model.to(dtype)
+    model.to_empty(device=device)
     if _state(model) is None:
         model.init_weights()
         if checkpoint is not None:

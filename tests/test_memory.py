@@ -9,6 +9,7 @@ from omegaconf import OmegaConf
 from model import memory
 from model.args import ModelArgs
 from model.llama import Llama
+from parallel.checkpoint import materialize
 from parallel.loss import cross_entropy
 from parallel.mesh import ParallelDims
 from tests.test_user_errors import composed
@@ -59,10 +60,36 @@ def test_serving_estimate_matches_the_kv_cache() -> None:
     estimate = memory.serving_memory(TINY, 1, "bfloat16", batch=16, prompt_len=8, cache_len=64)
     assert estimate.parts["KV cache"] == cache
     assert estimate.parts["weights"] == weights
-    # A large model with a small cache peaks while its weights are materialised in float32.
+    # In FP8, a large model with a small cache peaks while its bf16 weights are materialised.
     big = ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_hidden=14336)
+    big.fp8 = True
     loading = memory.serving_memory(big, 2, "bfloat16", batch=1, prompt_len=8, cache_len=64)
-    assert loading.total == 4 * big.num_params() / 2
+    assert loading.total == 2 * big.num_params() / 2
+
+
+def test_serving_weights_are_allocated_in_the_serving_dtype() -> None:
+    """materialize allocates no float32 weights before casting them (twice bf16's memory): the float32
+    bytes it allocates stay below one weight's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    allocators = (torch.ops.aten.empty_strided, torch.ops.aten.empty, torch.ops.aten.empty_like)
+
+    class Float32Allocations(TorchDispatchMode):
+        bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket in allocators and out.dtype == torch.float32:
+                self.bytes += out.numel() * out.element_size()
+            return out
+
+    with torch.device("meta"):
+        model = Llama(TINY)
+    largest = max(p.numel() for p in model.parameters()) * 4
+    with Float32Allocations() as allocations:
+        materialize(model, torch.device("cpu"), dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert allocations.bytes < largest, (allocations.bytes, largest)
 
 
 def test_llama3_8b_does_not_fit_24_gib(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -185,6 +185,16 @@ def test_a_signal_during_the_agreement_stops_every_rank_at_the_same_step() -> No
     run_ranks(_signal_during_the_all_reduce, 2)
 
 
+def test_non_finite_loss_stops_every_rank_with_one_message(tmp_path: Path) -> None:
+    done = run_script(
+        "train.py", *TINY, CPU, "training.warmup_steps=0", "training.lr=1e12", "training.steps=20",
+        f"hydra.run.dir={tmp_path}", torchrun=2,
+    )  # fmt: skip
+    assert done.returncode != 0
+    said = (done.stdout + done.stderr).count("loss became nan at step 2: stopping; no checkpoint was saved")
+    assert said == 1, done.stderr[-3000:]
+
+
 def test_second_signal_exits_at_once_and_resume_drops_replayed_rows(tmp_path: Path, straight: Path) -> None:
     run_dir = tmp_path / "run"
     process = start_training(*COMMON, "checkpoint.every=3", f"hydra.run.dir={run_dir}")
