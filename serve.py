@@ -45,6 +45,8 @@ from parallel.parallelize import ParallelizeConfig, fp8_decode_hooks, paralleliz
 from report import environment, markdown_table
 
 log = logging.getLogger("serve")
+# serve.log alone (configs/hydra/job_logging/weft.yaml): the completion, streamed to the console already.
+record = logging.getLogger("record")
 
 DTYPES = {name: getattr(torch, name) for name in SERVE_DTYPES}
 
@@ -244,6 +246,7 @@ def stream_completion(model: Llama, completion: Completion, cfg: ServeConfig, de
         cfg.compile,
         generator,
     )
+    pieces = [completion.echo]
     if is_main:
         print(completion.echo, end="", flush=True)
     start = time.perf_counter()
@@ -255,17 +258,20 @@ def stream_completion(model: Llama, completion: Completion, cfg: ServeConfig, de
         if new == 1:
             first = time.perf_counter()
         if is_main:
-            print(text.push(token_id), end="", flush=True)
+            pieces.append(text.push(token_id))
+            print(pieces[-1], end="", flush=True)
     end = time.perf_counter()
     if is_main:
-        print(text.flush(), flush=True)
+        pieces.append(text.flush())
+        print(pieces[-1], flush=True)
         decode = f"{(new - 1) / (end - first):.1f} tokens/s" if new > 1 else "n/a"
-        print(
+        stats = (
             f"[{len(completion.prompt_ids)} prompt tokens, {new} new tokens, "
-            f"time to first token {(first - start) * 1e3:.0f} ms, decode {decode}]",
-            file=sys.stderr,
-            flush=True,
+            f"time to first token {(first - start) * 1e3:.0f} ms, decode {decode}]"
         )
+        print(stats, file=sys.stderr, flush=True)
+        record.info("".join(pieces))
+        record.info(stats)
 
 
 def run(cfg: ServeConfig, run_dir: Path) -> None:

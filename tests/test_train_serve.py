@@ -83,6 +83,8 @@ def test_train_resume_then_serve(tmp_path: Path) -> None:
     )
     assert gen.returncode == 0, gen.stderr[-3000:]
     assert gen.stdout.startswith("def")
+    logged = (tmp_path / "gen" / "serve.log").read_text()
+    assert gen.stdout.strip() in logged and "new tokens, time to first token" in logged
 
 
 def assert_export_matches_transformers(run_dir: Path) -> None:
