@@ -105,11 +105,17 @@ def decode_bytes_per_step(model: Llama, batch: int, cache_len: int) -> int:
     table = embedding.numel() * embedding.element_size()
     # Decode reads `batch` rows of the embedding, all of it only as a tied bf16 output projection.
     weights -= 0 if model.args.tie_embeddings and not model.args.fp8 else table
+    return weights + kv_cache_bytes(model, batch, cache_len)
+
+
+def kv_cache_bytes(model: Llama, batch: int, cache_len: int) -> int:
+    """Bytes of the static KV cache for `batch` sequences of `cache_len` positions: what attention
+    reads in a decode step."""
     args = model.args
     # This rank's key/value heads (all of them, or its share under tensor parallelism).
     kv_heads = model.layers[0].attention.n_kv_heads
-    kv = 2 * args.n_layers * batch * kv_heads * args.head_dim * cache_len * embedding.element_size()
-    return weights + kv
+    dtype_bytes = model.tok_embeddings.weight.element_size()
+    return 2 * args.n_layers * batch * kv_heads * args.head_dim * cache_len * dtype_bytes
 
 
 @torch.no_grad()
