@@ -202,7 +202,7 @@ def main() -> None:
                 rows += [{**config, **r} for r in table]
                 if other:
                     listed = "; ".join(f"`{kernel[:120]}` {us:.1f} us" for kernel, us in other)
-                    others.append(f"- {config}: {listed}")
+                    others.append(f"- {config['dtype']}{' compiled' * compile} batch {batch}: {listed}")
                 # Rewritten after every configuration, so a run cut short keeps what it measured.
                 extra = "\n\nLargest unclassified kernels:\n" + "\n".join(others) if others else ""
                 write_results(name, rows, notes=notes + extra)
