@@ -9,11 +9,13 @@ bench_decode, so the rooflines agree). Per (dtype, compiled, batch) the table ha
 union of the kernels' intervals: wall minus busy is idle gaps), then per op class its kernels and time
 per step, its share of the summed kernel time and of the wall time, and for the classes that must read
 memory (the GEMMs read the weights, attention the KV cache) their roofline time at the measured copy
-bandwidth. Under programmatic dependent launch (the FP8 kernels, kernels/fp8.py) a kernel starts
-before the one it waits on has finished, so durations overlap and their sum exceeds the wall time:
-`--no-pdl` launches the FP8 kernels plainly (the same switch as WEFT_FP8_PDL=0) so that they run one
-after another and per-class times add up. Kernels no pattern of OP_CLASSES matches count as "other";
-the largest of them are printed (and noted in the result file) so that the patterns can be refined.
+bandwidth (the GEMM row's share leaves out the split-K reduce kernels, a row of their own).
+
+Under programmatic dependent launch (the FP8 kernels, kernels/fp8.py) a kernel starts before the one
+it waits on has finished, so durations overlap and their sum exceeds the wall time: `--no-pdl`
+launches weft's FP8 kernels plainly (as WEFT_FP8_PDL=0 does) so that they run one after another and
+per-class times add up. Kernels no pattern of OP_CLASSES matches count as "other"; the largest of them
+are printed (and noted in the result file) so that the patterns can be refined.
 Writes benchmarks/results/decode_profile-<model>[-compiled][-nopdl]-<device>.{json,md}.
 """
 
@@ -39,8 +41,8 @@ from serve import build_model, decode_bytes_per_step, kv_cache_bytes, memory_ban
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 # Op classes by kernel name (a regular expression, case-insensitive), tried in this order: the first
-# match wins, so the narrow classes come before the broad ones (cuDNN's attention kernels mention
-# wgmma, cuBLAS's split-K GEMMs mention splitK). Names are the profiler's demangled kernel names:
+# match wins, so the narrow classes come before the broad ones (flash attention's kernels mention
+# cutlass, inductor's fused norm is a triton_red_ kernel). Names are the profiler's demangled kernel names:
 # cuBLAS (sm90_xmma_gemm_*, nvjet_*, gemv*), cuDNN/flash SDPA, ATen's eager kernels, inductor's
 # triton_{poi,red,per,tem}_fused_<ops> and weft's Triton kernels (kernels/*.py).
 OP_CLASSES: dict[str, str] = {
