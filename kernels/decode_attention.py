@@ -1,0 +1,423 @@
+"""Decode attention for one new token per sequence, fused: rotary embedding of q and the new k, the
+KV-cache write, and split-KV ("flash-decoding") attention over the cached positions, with the output
+in bf16 or quantized to e4m3 with one scale per token (the kernels.fp8 rule) for the FP8 wo GEMM.
+
+    q [B, 1, Hq * D], k, v [B, 1, Hkv * D]   (rows may be column slices of one fused qkv output)
+    rope [max_seq_len, D / 2, 2] fp32        (the model's whole rotary table, read at the position)
+    input_pos [1] int64 on the device        (every sequence at the same position, read in-kernel)
+    k_cache, v_cache [B, Hkv, L, D]          (rotated k and v written at the position)
+    -> out [B, 1, Hq * D] bf16, or (e4m3 [B, 1, Hq * D], fp32 scales [B])
+
+Two kernels. The first runs a program per (sequence, kv head, split of the positions): it rotates the
+G = Hq / Hkv query heads of its kv head in registers and scores them together with tl.dot (G padded to
+16 rows, the smallest MMA), keeping an online softmax in fp32 over its share of the cached positions;
+the program whose share holds the current position also rotates the new k, writes k and v to the cache
+and folds them in from registers, so no program reads a cache row written in the same launch. Its
+partial output, running max and sum go to a small fp32 workspace. The second kernel runs a program per
+(sequence, kv head) that weighs the splits together and writes the bf16 output; for FP8 the last of a
+sequence's programs to finish (an atomic counter) reads the whole bf16 row back, takes its amax and
+quantizes it, so the per-token scale covers every head without a third launch.
+
+Why this shape:
+- Reading the cache is the whole cost (Llama-3-8B, 640 positions: 2.6 MB a layer, about 0.9 us on an
+  H100), and one program per (sequence, kv head) would use 8 of 132 SMs at batch 1. The number of
+  splits is fixed at launch (CUDA graphs replay one launch; it comes from the batch, kv heads, cache
+  length and SM count), while each split's share is cdiv(pos + 1, splits), computed in-kernel from the
+  position: the work stays spread over every split as the sequence grows, and nothing past the
+  position is read (the stock path reads the whole static cache and masks it).
+- Grouping the G query heads of a kv head into one program reads each cached row once for all of them.
+- The position, the rotary rows and (only positions before the current one are read) the cache are no
+  output of the kernel before this op, so with programmatic dependent launch (kernels.fp8) the first
+  kernel loads the rotary rows before waiting on the qkv projection's kernel.
+- Splits per SM (SPLIT_PROGRAMS_PER_SM) and the smallest share (MIN_POSITIONS_PER_SPLIT) trade the
+  first kernel's occupancy against the combine's reads (B * Hq * splits * D * 4 bytes): measure with
+  benchmarks/bench_decode_attention.py before changing them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.fp8 import (
+    FP8,
+    INTERPRETED,
+    downcast,
+    launch_options,
+    pdl_for,
+    pdl_wait,
+    programs_cap,
+    quantize_reference,
+    store_row,
+)
+
+BLOCK_N = 64  # cached positions per tile of the first kernel
+MIN_POSITIONS_PER_SPLIT = 64
+SPLIT_PROGRAMS_PER_SM = 2
+# The running max of a split that has seen no position yet: finite, so that exp2(m_old - m_new) is 0
+# rather than NaN when a split turns out empty; the combine gives such a split zero weight.
+EMPTY_MAX = -1e30
+LOG2E = 1.4426950408889634
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of x [B, S, H, D] by rope [S, D / 2, 2] (or [B, S, D / 2, 2])."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    if rope.dim() == 3:
+        rope = rope.unsqueeze(0)
+    cos, sin = rope[..., 0].unsqueeze(2), rope[..., 1].unsqueeze(2)
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+def num_splits(batch: int, n_kv_heads: int, cache_len: int, device: torch.device) -> int:
+    """Splits of the positions per (sequence, kv head): enough programs for SPLIT_PROGRAMS_PER_SM per
+    SM, none with a share of the full cache below MIN_POSITIONS_PER_SPLIT."""
+    wanted = triton.cdiv(programs_cap(device) * SPLIT_PROGRAMS_PER_SM, batch * n_kv_heads)
+    return max(1, min(wanted, triton.cdiv(cache_len, MIN_POSITIONS_PER_SPLIT)))
+
+
+@triton.jit
+def _rotate(ptr, offsets, mask, cos, signed_sin, dim):
+    """fp32 rotary rotation of interleaved pairs: x[d] * cos + x[d ^ 1] * (-sin for even d, +sin odd)."""
+    x = tl.load(ptr + offsets + dim[None, :], mask=mask, other=0.0).to(tl.float32)
+    partner = tl.load(ptr + offsets + (dim ^ 1)[None, :], mask=mask, other=0.0).to(tl.float32)
+    return x * cos[None, :] + partner * signed_sin[None, :]
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    rope_ptr,
+    pos_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    o_part_ptr,
+    m_part_ptr,
+    l_part_ptr,
+    counter_ptr,
+    n_kv_heads,
+    cache_len,
+    n_splits,
+    stride_q,
+    stride_k,
+    stride_v,
+    stride_rope,
+    stride_cb,
+    stride_ch,
+    qk_scale,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SNAP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid // n_kv_heads
+    h = pid % n_kv_heads
+    dim = tl.arange(0, D)
+    rows = tl.arange(0, G_PAD)
+    pos = tl.load(pos_ptr)
+    # Interleaved pairs: element d is rotated by angle d // 2 of the position's row.
+    pair = (dim // 2) * 2
+    cos = tl.load(rope_ptr + pos * stride_rope + pair)
+    sin = tl.load(rope_ptr + pos * stride_rope + pair + 1)
+    signed_sin = tl.where(dim % 2 == 0, -sin, sin)
+    # q, k and v are the previous kernel's output: wait for it (the rotary rows above are not).
+    pdl_wait(PDL, False)
+
+    dtype = k_cache_ptr.dtype.element_ty
+    b64 = b.to(tl.int64)
+    row_mask = (rows < G)[:, None]
+    # The rotated q and k are rounded to the cache's dtype, as the stock path's apply_rope does.
+    q = _rotate(q_ptr, b64 * stride_q + ((h * G + rows) * D)[:, None], row_mask, cos, signed_sin, dim)
+    q = downcast(q, dtype, SNAP)
+    k_new = _rotate(k_ptr, b64 * stride_k + h * D, dim[None, :] < D, cos, signed_sin, dim)
+    k_new = downcast(k_new, dtype, SNAP)
+    v_new = tl.load(v_ptr + b64 * stride_v + h * D + dim[None, :])
+    if SNAP:
+        # Triton 3.6's interpreter multiplies the raw bits of bf16 operands in tl.dot: dot in fp32.
+        q = q.to(tl.float32)
+
+    n_positions = pos + 1
+    share = tl.cdiv(n_positions, n_splits)
+    start = split * share
+    end = tl.minimum(start + share, n_positions)
+    cache = b64 * stride_cb + h.to(tl.int64) * stride_ch
+    if (start <= pos) & (pos < end) & (pos < cache_len):
+        tl.store(k_cache_ptr + cache + pos * D + dim[None, :], k_new)
+        tl.store(v_cache_ptr + cache + pos * D + dim[None, :], v_new)
+    if (h == 0) & (split == 0):
+        # Reset the sequence's arrival count for the combine kernel's FP8 quantize.
+        tl.store(counter_ptr + b, 0)
+
+    m_i = tl.full([G_PAD], EMPTY_MAX, tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D], tl.float32)
+    # Cached positions of this share: all but the current one, which comes from registers below.
+    stop = tl.minimum(end, pos)
+    offsets = tl.arange(0, BLOCK)
+    for first in range(start, stop, BLOCK):
+        positions = first + offsets
+        inside = (positions < stop)[:, None]
+        tile = cache + positions.to(tl.int64)[:, None] * D + dim[None, :]
+        keys = tl.load(k_cache_ptr + tile, mask=inside, other=0.0)
+        values = tl.load(v_cache_ptr + tile, mask=inside, other=0.0)
+        if SNAP:
+            keys = keys.to(tl.float32)
+        scores = tl.dot(q, tl.trans(keys)) * qk_scale
+        scores = tl.where((positions < stop)[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = downcast(p, dtype, SNAP)
+        if SNAP:
+            p = p.to(tl.float32)
+            values = values.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, values)
+        m_i = m_new
+
+    # The current position, from registers, in the split that holds it.
+    score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
+    score = tl.where((start <= pos) & (pos < end), score, float("-inf"))
+    m_new = tl.maximum(m_i, score)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(score - m_new)
+    l_i = l_i * alpha + p
+    p = downcast(p, dtype, SNAP).to(tl.float32)
+    acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)
+    m_i = m_new
+
+    part = ((b64 * n_kv_heads + h) * G + rows) * n_splits + split
+    tl.store(o_part_ptr + part[:, None] * D + dim[None, :], acc, mask=row_mask)
+    tl.store(m_part_ptr + part, m_i, mask=rows < G)
+    tl.store(l_part_ptr + part, l_i, mask=rows < G)
+
+
+@triton.jit
+def _combine_kernel(
+    o_part_ptr,
+    m_part_ptr,
+    l_part_ptr,
+    out_ptr,
+    fp8_ptr,
+    scale_ptr,
+    counter_ptr,
+    n_kv_heads,
+    n_splits,
+    G: tl.constexpr,
+    G_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    D: tl.constexpr,
+    ROW_PAD: tl.constexpr,
+    FP8_OUT: tl.constexpr,
+    SNAP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    b = pid // n_kv_heads
+    h = pid % n_kv_heads
+    pdl_wait(PDL, False)
+    rows = tl.arange(0, G_PAD)
+    splits = tl.arange(0, SPLITS_PAD)
+    dim = tl.arange(0, D)
+    heads = (b.to(tl.int64) * n_kv_heads + h) * G + rows
+    part = heads[:, None] * n_splits + splits[None, :]
+    mask = (rows < G)[:, None] & (splits < n_splits)[None, :]
+    m = tl.load(m_part_ptr + part, mask=mask, other=EMPTY_MAX)
+    l_split = tl.load(l_part_ptr + part, mask=mask, other=0.0)
+    weight = tl.exp2(m - tl.max(m, axis=1)[:, None])
+    total = tl.sum(l_split * weight, axis=1)
+    o = tl.load(o_part_ptr + part[:, :, None] * D + dim[None, None, :], mask=mask[:, :, None], other=0.0)
+    out = tl.sum(o * weight[:, :, None], axis=1) / total[:, None]
+    row_len = n_kv_heads * G * D
+    out_row = out_ptr + b.to(tl.int64) * row_len
+    tl.store(
+        out_row + (h * G + rows)[:, None] * D + dim[None, :],
+        downcast(out, out_ptr.dtype.element_ty, SNAP),
+        mask=(rows < G)[:, None],
+    )
+    if FP8_OUT:
+        # The last program of this sequence to get here quantizes its whole row: the per-token scale
+        # needs every head's output. The barrier orders every thread's stores before the count.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter_ptr + b, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_kv_heads - 1:
+            cols = tl.arange(0, ROW_PAD)
+            inside = cols < row_len
+            # .cg: read from L2, where the other programs' stores are, not from this SM's L1.
+            x = tl.load(out_row + cols, mask=inside, other=0.0, cache_modifier=".cg").to(tl.float32)
+            store_row(x, fp8_ptr, b, row_len, cols, inside, scale_ptr, 1.0, QUANT=2, SNAP=SNAP)
+
+
+def _check(q, k, v, rope, input_pos, k_cache, v_cache) -> None:
+    if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must both be [B, Hkv, L, D], got {tuple(k_cache.shape)} and "
+            f"{tuple(v_cache.shape)}"
+        )
+    batch, n_kv_heads, _, head_dim = k_cache.shape
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"decode attention needs a head dim that is a power of two >= 16, got {head_dim}")
+    if q.dim() != 3 or q.shape[1] != 1:
+        raise ValueError(
+            f"decode attention takes one new token per sequence (q [B, 1, Hq * D]), got q of shape "
+            f"{tuple(q.shape)}: run prompts (seqlen > 1) through the stock attention path"
+        )
+    if q.shape[0] != batch or q.shape[2] % head_dim:
+        raise ValueError(f"q {tuple(q.shape)} does not match the cache's batch {batch} and head dim {head_dim}")
+    n_heads = q.shape[2] // head_dim
+    if n_heads % n_kv_heads:
+        raise ValueError(f"query heads ({n_heads}) must be a multiple of key/value heads ({n_kv_heads})")
+    for name, t in (("k", k), ("v", v)):
+        if t.shape != (batch, 1, n_kv_heads * head_dim):
+            raise ValueError(
+                f"{name} must be [{batch}, 1, {n_kv_heads * head_dim}] to match the cache, got {tuple(t.shape)}"
+            )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(-1) != 1 or t.dtype != k_cache.dtype:
+            raise ValueError(f"{name} must have contiguous rows in the cache's dtype {k_cache.dtype}")
+    if k_cache.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"decode attention runs on a bf16 or fp16 KV cache, got {k_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous")
+    if rope.dim() != 3 or rope.shape[1:] != (head_dim // 2, 2) or rope.dtype != torch.float32:
+        raise ValueError(f"rope must be the fp32 table [max_seq_len, {head_dim // 2}, 2], got {tuple(rope.shape)}")
+    if not rope.is_contiguous():
+        raise ValueError("rope must be contiguous")
+    if input_pos.shape != (1,) or input_pos.dtype != torch.int64:
+        raise ValueError(
+            f"input_pos must be one int64 position [1] (every sequence at the same position), got "
+            f"{tuple(input_pos.shape)} {input_pos.dtype}"
+        )
+
+
+def _launch(q, k, v, rope, input_pos, k_cache, v_cache, out, fp8_out, scales) -> None:
+    batch, n_kv_heads, cache_len, head_dim = k_cache.shape
+    group = q.shape[2] // head_dim // n_kv_heads
+    splits = num_splits(batch, n_kv_heads, cache_len, q.device)
+    rows = batch * n_kv_heads * group
+    o_part = torch.empty(rows * splits * head_dim, dtype=torch.float32, device=q.device)
+    m_part = torch.empty(rows * splits, dtype=torch.float32, device=q.device)
+    l_part = torch.empty_like(m_part)
+    counter = torch.empty(batch, dtype=torch.int32, device=q.device)
+    group_pad = max(16, triton.next_power_of_2(group))
+    pdl = pdl_for(q.device)
+    _split_kernel[(batch * n_kv_heads, splits)](
+        q, k, v, rope, input_pos, k_cache, v_cache, o_part, m_part, l_part, counter,
+        n_kv_heads, cache_len, splits, q.stride(0), k.stride(0), v.stride(0), rope.stride(0),
+        k_cache.stride(0), k_cache.stride(1), LOG2E / math.sqrt(head_dim),
+        G=group, G_PAD=group_pad, D=head_dim, BLOCK=BLOCK_N, SNAP=INTERPRETED, PDL=pdl,
+        num_warps=4, **launch_options(q.device),
+    )  # fmt: skip
+    row_pad = triton.next_power_of_2(n_kv_heads * group * head_dim)
+    _combine_kernel[(batch * n_kv_heads,)](
+        o_part, m_part, l_part, out, fp8_out if fp8_out is not None else out,
+        scales if scales is not None else m_part, counter, n_kv_heads, splits,
+        G=group, G_PAD=triton.next_power_of_2(group), SPLITS_PAD=triton.next_power_of_2(splits),
+        D=head_dim, ROW_PAD=row_pad, FP8_OUT=fp8_out is not None, SNAP=INTERPRETED, PDL=pdl,
+        num_warps=4 if fp8_out is None else max(4, min(16, row_pad // 512)), **launch_options(q.device),
+    )  # fmt: skip
+
+
+@torch.library.custom_op("weft::decode_attention", mutates_args=("k_cache", "v_cache"))
+def decode_attention_bf16(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope: torch.Tensor,
+    input_pos: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """Attention output [B, 1, Hq * D] in the cache's dtype (module docstring; see decode_attention)."""
+    _check(q, k, v, rope, input_pos, k_cache, v_cache)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _launch(q, k, v, rope, input_pos, k_cache, v_cache, out, None, None)
+    return out
+
+
+@decode_attention_bf16.register_fake
+def _(q, k, v, rope, input_pos, k_cache, v_cache):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("weft::decode_attention_fp8", mutates_args=("k_cache", "v_cache"))
+def decode_attention_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope: torch.Tensor,
+    input_pos: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention output quantized: e4m3 [B, 1, Hq * D] and fp32 scales [B], one per token."""
+    _check(q, k, v, rope, input_pos, k_cache, v_cache)
+    row = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(q.shape, dtype=FP8, device=q.device)
+    scales = torch.empty(q.shape[0], dtype=torch.float32, device=q.device)
+    _launch(q, k, v, rope, input_pos, k_cache, v_cache, row, out, scales)
+    return out, scales
+
+
+@decode_attention_fp8.register_fake
+def _(q, k, v, rope, input_pos, k_cache, v_cache):
+    return q.new_empty(q.shape, dtype=FP8), q.new_empty(q.shape[0], dtype=torch.float32)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope: torch.Tensor,
+    input_pos: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    fp8: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one new token per sequence at position input_pos [1] over the KV cache, which it
+    updates: q [B, 1, Hq * D], k, v [B, 1, Hkv * D] as projected (not yet rotated), rope the model's
+    whole rotary table. Returns [B, 1, Hq * D] in the cache's dtype, or with `fp8` the e4m3 values and
+    their fp32 scales [B] (scale = amax / 448)."""
+    op = decode_attention_fp8 if fp8 else decode_attention_bf16
+    return op(q, k, v, rope, input_pos, k_cache, v_cache)
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rope: torch.Tensor,
+    input_pos: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    fp8: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The stock path decode_attention fuses, same signature: apply_rope, the cache write
+    (index_copy_) and SDPA over the whole cache with the position mask."""
+    _check(q, k, v, rope, input_pos, k_cache, v_cache)
+    batch, n_kv_heads, cache_len, head_dim = k_cache.shape
+    angles = rope[input_pos]
+    q = apply_rope(q.view(batch, 1, -1, head_dim), angles).transpose(1, 2)
+    k = apply_rope(k.view(batch, 1, n_kv_heads, head_dim), angles).transpose(1, 2)
+    k_cache.index_copy_(2, input_pos, k)
+    v_cache.index_copy_(2, input_pos, v.view(batch, 1, n_kv_heads, head_dim).transpose(1, 2))
+    mask = torch.arange(cache_len, device=q.device)[None, :] <= input_pos[:, None]
+    grouped = q.shape[1] != n_kv_heads
+    out = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=grouped)
+    out = out.transpose(1, 2).reshape(batch, 1, -1)
+    if not fp8:
+        return out
+    values, scales = quantize_reference(out.view(batch, -1))
+    return values.view(out.shape), scales
