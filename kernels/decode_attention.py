@@ -275,14 +275,17 @@ def _check(q, k, v, rope, input_pos, k_cache, v_cache) -> None:
             f"{tuple(q.shape)}: run prompts (seqlen > 1) through the stock attention path"
         )
     if q.shape[0] != batch or q.shape[2] % head_dim:
-        raise ValueError(f"q {tuple(q.shape)} does not match the cache's batch {batch} and head dim {head_dim}")
+        raise ValueError(
+            f"q {tuple(q.shape)} does not match the cache's batch {batch} and head dim {head_dim}"
+        )
     n_heads = q.shape[2] // head_dim
     if n_heads % n_kv_heads:
         raise ValueError(f"query heads ({n_heads}) must be a multiple of key/value heads ({n_kv_heads})")
     for name, t in (("k", k), ("v", v)):
         if t.shape != (batch, 1, n_kv_heads * head_dim):
             raise ValueError(
-                f"{name} must be [{batch}, 1, {n_kv_heads * head_dim}] to match the cache, got {tuple(t.shape)}"
+                f"{name} must be [{batch}, 1, {n_kv_heads * head_dim}] to match the cache, "
+                f"got {tuple(t.shape)}"
             )
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1 or t.dtype != k_cache.dtype:
@@ -292,7 +295,10 @@ def _check(q, k, v, rope, input_pos, k_cache, v_cache) -> None:
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
     if rope.dim() != 3 or rope.shape[1:] != (head_dim // 2, 2) or rope.dtype != torch.float32:
-        raise ValueError(f"rope must be the fp32 table [max_seq_len, {head_dim // 2}, 2], got {tuple(rope.shape)}")
+        raise ValueError(
+            f"rope must be the fp32 table [max_seq_len, {head_dim // 2}, 2], got {tuple(rope.shape)} "
+            f"{rope.dtype}"
+        )
     if not rope.is_contiguous():
         raise ValueError("rope must be contiguous")
     if input_pos.shape != (1,) or input_pos.dtype != torch.int64:
