@@ -3,7 +3,8 @@ KV-cache write, and split-KV ("flash-decoding") attention over the cached positi
 in bf16 or quantized to e4m3 with one scale per token (the kernels.fp8 rule) for the FP8 wo GEMM.
 
     q [B, 1, Hq * D], k, v [B, 1, Hkv * D]   (rows may be column slices of one fused qkv output)
-    rope [max_seq_len, D / 2, 2] fp32        (the model's whole rotary table, read at the position)
+    rope [max_seq_len, D / 2, 2]             (the model's whole rotary table, fp32 or cast with the
+                                              model; read at the position)
     input_pos [1] int64 on the device        (every sequence at the same position, read in-kernel)
     k_cache, v_cache [B, Hkv, L, D]          (rotated k and v written at the position)
     -> out [B, 1, Hq * D] bf16, or (e4m3 [B, 1, Hq * D], fp32 scales [B])
@@ -60,7 +61,7 @@ MIN_POSITIONS_PER_SPLIT = 64
 SPLIT_PROGRAMS_PER_SM = 2
 # The running max of a split that has seen no position yet: finite, so that exp2(m_old - m_new) is 0
 # rather than NaN when a split turns out empty; the combine gives such a split zero weight.
-EMPTY_MAX = -1e30
+EMPTY_MAX = tl.constexpr(-1e30)
 LOG2E = 1.4426950408889634
 
 
@@ -80,6 +81,17 @@ def num_splits(batch: int, n_kv_heads: int, cache_len: int, device: torch.device
     SM, none with a share of the full cache below MIN_POSITIONS_PER_SPLIT."""
     wanted = triton.cdiv(programs_cap(device) * SPLIT_PROGRAMS_PER_SM, batch * n_kv_heads)
     return max(1, min(wanted, triton.cdiv(cache_len, MIN_POSITIONS_PER_SPLIT)))
+
+
+def fused_decode_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether decode_attention runs here: a CUDA device (or the CPU under TRITON_INTERPRET=1), a bf16 or
+    fp16 cache, a head dim that is a power of two >= 16."""
+    return (
+        (device.type == "cuda" or INTERPRETED)
+        and dtype in (torch.bfloat16, torch.float16)
+        and head_dim >= 16
+        and head_dim & (head_dim - 1) == 0
+    )
 
 
 @triton.jit
@@ -129,8 +141,8 @@ def _split_kernel(
     pos = tl.load(pos_ptr)
     # Interleaved pairs: element d is rotated by angle d // 2 of the position's row.
     pair = (dim // 2) * 2
-    cos = tl.load(rope_ptr + pos * stride_rope + pair)
-    sin = tl.load(rope_ptr + pos * stride_rope + pair + 1)
+    cos = tl.load(rope_ptr + pos * stride_rope + pair).to(tl.float32)
+    sin = tl.load(rope_ptr + pos * stride_rope + pair + 1).to(tl.float32)
     signed_sin = tl.where(dim % 2 == 0, -sin, sin)
     # q, k and v are the previous kernel's output: wait for it (the rotary rows above are not).
     pdl_wait(PDL, False)
@@ -294,9 +306,9 @@ def _check(q, k, v, rope, input_pos, k_cache, v_cache) -> None:
         raise ValueError(f"decode attention runs on a bf16 or fp16 KV cache, got {k_cache.dtype}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
-    if rope.dim() != 3 or rope.shape[1:] != (head_dim // 2, 2) or rope.dtype != torch.float32:
+    if rope.dim() != 3 or rope.shape[1:] != (head_dim // 2, 2) or not rope.is_floating_point():
         raise ValueError(
-            f"rope must be the fp32 table [max_seq_len, {head_dim // 2}, 2], got {tuple(rope.shape)} "
+            f"rope must be the rotary table [max_seq_len, {head_dim // 2}, 2], got {tuple(rope.shape)} "
             f"{rope.dtype}"
         )
     if not rope.is_contiguous():

@@ -2,7 +2,7 @@
 per output channel, and each block run on weft's fused FP8 kernels:
 
     (previous MLP output, residual) -> residual add + RMSNorm + quantize -> [wq|wk|wv] FP8 GEMM
-      -> attention -> quantize -> wo FP8 GEMM -> residual add + RMSNorm + quantize -> [w1|w3] FP8 GEMM
+      -> attention + quantize -> wo FP8 GEMM -> residual add + RMSNorm + quantize -> [w1|w3] FP8 GEMM
       -> SwiGLU + quantize -> w2 FP8 GEMM -> (MLP output, residual) to the next block
 
 and after the last block: residual add + RMSNorm + quantize -> output FP8 GEMM -> logits.
@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kernels.fp8 import quantize_per_token, quantize_weight_per_channel
+from kernels.fp8 import quantize_weight_per_channel
 from kernels.fp8_gemm import fp8_gemm
 from kernels.fp8_norm import add_rmsnorm_fp8, rmsnorm_fp8
 from kernels.fp8_swiglu import swiglu_fp8
@@ -134,8 +134,9 @@ class Fp8Block(nn.Module):
             residual = x.reshape(-1, dim)
             xq, xs = rmsnorm_fp8(residual, norm.weight, norm.eps, None)
         q, k, v = self.qkv(xq, xs).view(bsz, seqlen, -1).split(self.qkv_sizes, dim=-1)
-        attended = self.attention.attend(q, k, v, rope, input_pos).reshape(bsz * seqlen, -1)
-        attn_out = self.reduce(self.wo(*quantize_per_token(attended)))
+        # Attention's output comes quantized per token (at decode, by the attention kernel itself).
+        attended, attended_scale = self.attention.attend(q, k, v, rope, input_pos, fp8_output=True)
+        attn_out = self.reduce(self.wo(attended.view(bsz * seqlen, -1), attended_scale))
         # residual + attention output; its norm, quantized, feeds the MLP.
         hq, hs, residual = add_rmsnorm_fp8(attn_out, residual, self.ffn_norm.weight, self.ffn_norm.eps, None)
         mlp_out = self.reduce(self.w2(*swiglu_fp8(self.w13(hq, hs), None)))

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.decode_attention import apply_rope, decode_attention, fused_decode_supported
+from kernels.fp8 import quantize_per_token
 from model.args import ModelArgs, RopeScaling
 
 
@@ -53,17 +55,6 @@ def rope_table(args: ModelArgs, device: torch.device | None = None) -> torch.Ten
     freqs = rope_frequencies(args.head_dim, args.rope_theta, args.rope_scaling).to(device)
     angles = torch.outer(torch.arange(args.max_seq_len, device=device, dtype=torch.float32), freqs)
     return torch.stack([angles.cos(), angles.sin()], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of x [B, S, H, D] by rope [S, D / 2, 2] (or [B, S, D / 2, 2])."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    if rope.dim() == 3:
-        rope = rope.unsqueeze(0)
-    cos, sin = rope[..., 0].unsqueeze(2), rope[..., 1].unsqueeze(2)
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
-    return rotated.flatten(-2).type_as(x)
 
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -127,10 +118,17 @@ class Attention(nn.Module):
         v: torch.Tensor,
         rope: torch.Tensor,
         input_pos: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """Rotary embeddings, the KV cache and attention for projected q, k, v [B, S, heads * D];
-        returns [B, S, n_heads * D], the input of the output projection."""
+        fp8_output: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Rotary embeddings, the KV cache and attention for projected q, k, v [B, S, heads * D], with
+        `rope` the model's whole rotary table; returns [B, S, n_heads * D], the input of the output
+        projection, or with `fp8_output` that quantized per token: (e4m3 [B, S, n_heads * D], fp32
+        scales [B * S]) for an FP8 output projection."""
         bsz, seqlen = q.shape[:2]
+        if self._fused_decode(q, seqlen):
+            # One new token over the cache: rotary, cache write, attention (and quantize) in one op.
+            return decode_attention(q, k, v, rope, input_pos, self.kv_cache.k, self.kv_cache.v, fp8_output)
+        rope = rope[:seqlen] if input_pos is None else rope[input_pos]
         # Head counts come from the projections, so a tensor-parallel shard runs the same code.
         q = apply_rope(q.view(bsz, seqlen, -1, self.head_dim), rope)
         k = apply_rope(k.view(bsz, seqlen, -1, self.head_dim), rope)
@@ -141,8 +139,21 @@ class Attention(nn.Module):
             assert input_pos is not None, "a model with a KV cache needs input_pos"
             k, v = self.kv_cache.update(input_pos, k, v)
             mask = torch.arange(k.shape[2], device=q.device)[None, :] <= input_pos[:, None]
-        out = self.attention_fn(q, k, v, mask)
-        return out.transpose(1, 2).reshape(bsz, seqlen, -1)
+        out = self.attention_fn(q, k, v, mask).transpose(1, 2).reshape(bsz, seqlen, -1)
+        if not fp8_output:
+            return out
+        values, scales = quantize_per_token(out.view(bsz * seqlen, -1))
+        return values.view(out.shape), scales
+
+    def _fused_decode(self, q: torch.Tensor, seqlen: int) -> bool:
+        """Whether this call takes kernels.decode_attention: one token per sequence over a KV cache, the
+        stock attention function (parallel/ may have replaced it), a device and shapes the kernel runs."""
+        return (
+            self.kv_cache is not None
+            and seqlen == 1
+            and self.attention_fn is sdpa_attention
+            and fused_decode_supported(q.device, self.kv_cache.k.dtype, self.head_dim)
+        )
 
 
 class FeedForward(nn.Module):
@@ -252,16 +263,13 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor | None = None) -> torch.Tensor:
         """With a KV cache, `input_pos` [S] gives the positions of `tokens` in the cache."""
         seqlen = tokens.shape[1]
-        if input_pos is None:
-            if seqlen > self.args.max_seq_len:
-                raise ValueError(
-                    f"sequence length {seqlen} exceeds model.max_seq_len={self.args.max_seq_len}: "
-                    "use shorter sequences or raise model.max_seq_len"
-                )
-            rope = self.rope[:seqlen]
-        else:
-            rope = self.rope[input_pos]
+        if input_pos is None and seqlen > self.args.max_seq_len:
+            raise ValueError(
+                f"sequence length {seqlen} exceeds model.max_seq_len={self.args.max_seq_len}: "
+                "use shorter sequences or raise model.max_seq_len"
+            )
         h = self.tok_embeddings(tokens)
+        # Each layer takes the whole rotary table and reads the rows of its positions (attend).
         for layer in self.layers:
-            h = layer(h, rope, input_pos)
+            h = layer(h, self.rope, input_pos)
         return self.output(self.norm(h))
