@@ -1,0 +1,282 @@
+"""The fused decode attention (kernels/decode_attention.py) against the stock path it replaces (rotary,
+index_copy_ into the cache, SDPA with the position mask): fresh random inputs, ragged head groups,
+positions at the start, inside a split and in the last cache slot, outputs and workspaces poisoned; the
+cache it writes equals the reference's; its FP8 output dequantized tracks the reference quantized. A tiny
+model's greedy decode is the same with and without it. On CPU through Triton's interpreter (with small
+tiles and splits so that several of each are walked), on a GPU natively, there also compiled and
+captured in a CUDA graph with the position changing between replays."""
+
+import pytest
+import torch
+
+import model.llama as llama
+from kernels import decode_attention as da
+from kernels.decode_attention import decode_attention, decode_attention_reference
+from kernels.fp8 import dequantize
+from model.args import ModelArgs
+from model.fp8 import convert_to_fp8
+from model.generate import generate
+from model.llama import Llama
+from tests.sm90 import compile_sm90, ptxas_log, run_without_interpreter
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.float(), ref.float()
+    assert torch.isfinite(out).all(), "output holds NaN/inf: an element was not written"
+    return ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
+
+
+@pytest.fixture
+def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensors the op allocates start as NaN (floats) or a large count (integers), so a partial result
+    never written, or an arrival counter never reset, fails the test."""
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):
+        tensor = real_empty(*args, **kwargs)
+        if tensor.dtype == torch.float8_e4m3fn:
+            tensor.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
+        elif tensor.is_floating_point():
+            tensor.fill_(float("nan"))
+        else:
+            tensor.fill_(12345)
+        return tensor
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.fixture(params=["default", "small"])
+def tiles(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launch's own tile and split sizes, or small ones: at this test's cache lengths the latter
+    give several splits of several tiles each (on CPU the SM count is 4)."""
+    if request.param == "small":
+        monkeypatch.setattr(da, "BLOCK_N", 16)
+        monkeypatch.setattr(da, "MIN_POSITIONS_PER_SPLIT", 8)
+
+
+def inputs(batch: int, n_heads: int, n_kv_heads: int, head_dim: int, cache_len: int, pos: int):
+    """q, k, v as column slices of one fused qkv output, the rotary table, input_pos, and a cache
+    already holding random keys and values at every position."""
+    qkv = torch.randn(batch, 1, (n_heads + 2 * n_kv_heads) * head_dim, device=DEVICE).to(torch.bfloat16)
+    q, k, v = qkv.split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], dim=-1)
+    freqs = 1.0 / 500.0 ** (torch.arange(0, head_dim, 2, device=DEVICE) / head_dim)
+    angles = torch.outer(torch.arange(cache_len + 5, device=DEVICE, dtype=torch.float32), freqs)
+    rope = torch.stack([angles.cos(), angles.sin()], dim=-1)
+    shape = (batch, n_kv_heads, cache_len, head_dim)
+    k_cache = torch.randn(shape, device=DEVICE).to(torch.bfloat16)
+    v_cache = torch.randn(shape, device=DEVICE).to(torch.bfloat16)
+    return q, k, v, rope, torch.tensor([pos], device=DEVICE), k_cache, v_cache
+
+
+def assert_cache_equal(got: torch.Tensor, want: torch.Tensor) -> None:
+    if DEVICE == "cpu":
+        assert torch.equal(got, want)
+    else:  # a compiled rotation may fuse a multiply-add: at most one bf16 rounding step apart
+        torch.testing.assert_close(got, want)
+
+
+SHAPES = [
+    # batch, query heads, kv heads, head dim, cache length, position
+    (1, 4, 1, 16, 40, 0),
+    (1, 4, 1, 16, 40, 39),
+    (3, 6, 3, 32, 100, 58),
+    (3, 6, 3, 32, 100, 99),
+    (1, 32, 8, 16, 70, 69),
+    (3, 32, 8, 16, 70, 37),
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-h{}-kv{}-d{}-l{}-pos{}".format(*s))
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_matches_reference(poisoned: None, tiles: None, shape: tuple[int, ...], fp8: bool) -> None:
+    q, k, v, rope, pos, k_cache, v_cache = inputs(*shape)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    out = decode_attention(q, k, v, rope, pos, k_cache, v_cache, fp8=fp8)
+    ref = decode_attention_reference(q, k, v, rope, pos, ref_k, ref_v, fp8=fp8)
+    assert_cache_equal(k_cache, ref_k)
+    assert_cache_equal(v_cache, ref_v)
+    if not fp8:
+        assert out.shape == q.shape and out.dtype == torch.bfloat16
+        assert rel_err(out, ref) < 1e-2
+        return
+    (values, scales), (ref_values, ref_scales) = out, ref
+    assert values.shape == q.shape and values.dtype == torch.float8_e4m3fn and scales.shape == (shape[0],)
+    torch.testing.assert_close(scales, ref_scales, rtol=2e-2, atol=0)
+    batch = shape[0]
+    got = dequantize(values.view(batch, -1), scales)
+    assert rel_err(got, dequantize(ref_values.view(batch, -1), ref_scales)) < 3e-2
+
+
+def test_splits_follow_the_position(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launch's split count depends on the batch, kv heads, cache length and SMs only; a short
+    cache caps it so that no split's share of the full cache is below MIN_POSITIONS_PER_SPLIT."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(da, "programs_cap", lambda device: 132)
+    assert da.num_splits(1, 8, 4096, cpu) == 33
+    assert da.num_splits(8, 8, 4096, cpu) == 5
+    assert da.num_splits(1, 8, 640, cpu) == 10
+    assert da.num_splits(64, 8, 32768, cpu) == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"head_dim": 24}, "power of two >= 16"),
+        ({"head_dim": 8}, "power of two >= 16"),
+        ({"n_heads": 5, "n_kv_heads": 2}, "multiple of key/value heads"),
+        ({"seqlen": 2}, "one new token per sequence"),
+        ({"positions": 2}, "one int64 position"),
+    ],
+)
+def test_bad_shapes_are_refused_clearly(change: dict[str, int], message: str) -> None:
+    head_dim, n_heads, n_kv_heads = (
+        change.get("head_dim", 16),
+        change.get("n_heads", 4),
+        change.get("n_kv_heads", 2),
+    )
+    seqlen, batch, cache_len = change.get("seqlen", 1), 2, 8
+    q = torch.zeros(batch, seqlen, n_heads * head_dim, dtype=torch.bfloat16)
+    k = torch.zeros(batch, 1, n_kv_heads * head_dim, dtype=torch.bfloat16)
+    rope = torch.zeros(cache_len, head_dim // 2, 2)
+    pos = torch.zeros(change.get("positions", 1), dtype=torch.long)
+    cache = torch.zeros(batch, n_kv_heads, cache_len, head_dim, dtype=torch.bfloat16)
+    for fn in (decode_attention, decode_attention_reference):
+        with pytest.raises(ValueError, match=message):
+            fn(q, k, k.clone(), rope, pos, cache, cache.clone())
+
+
+def tiny_model(n_heads: int = 4, n_kv_heads: int = 2) -> Llama:
+    args = ModelArgs(
+        dim=128,
+        n_layers=2,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        vocab_size=160,
+        ffn_hidden=200,
+        max_seq_len=64,
+    )
+    model = Llama(args).to(DEVICE)
+    model.init_weights()
+    return model.to(torch.bfloat16).eval()
+
+
+def count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls = []
+    real = llama.decode_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llama, "decode_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_model_greedy_decode_equals_the_stock_path(monkeypatch: pytest.MonkeyPatch, fp8: bool) -> None:
+    """Greedy tokens of a tiny random model: the fused op at every decode step, the stock path never."""
+    model = tiny_model()
+    if fp8:
+        model.args.fp8 = True
+        convert_to_fp8(model)
+    prompt = torch.randint(0, 160, (3, 7), device=DEVICE)
+    steps = 6 if fp8 else 12  # the FP8 model's other kernels are slow in the interpreter
+    calls = count_fused_calls(monkeypatch)
+    fused = generate(model, prompt, steps, cuda_graph=False)
+    assert len(calls) == (steps - 1) * 2  # every decode step (the prefill gives the first token), each layer
+    monkeypatch.setattr(llama, "fused_decode_supported", lambda *args: False)
+    stock = generate(model, prompt, steps, cuda_graph=False)
+    assert len(calls) == (steps - 1) * 2
+    assert torch.equal(fused, stock)
+
+
+def test_replaced_attention_function_keeps_the_stock_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """parallel/ may swap attention_fn (Ulysses): then the model does not take the fused op."""
+    model = tiny_model()
+    for layer in model.layers:
+        layer.attention.attention_fn = lambda q, k, v, mask: llama.sdpa_attention(q, k, v, mask)
+    calls = count_fused_calls(monkeypatch)
+    generate(model, torch.randint(0, 160, (1, 5), device=DEVICE), 3, cuda_graph=False)
+    assert calls == []
+
+
+def check_sm90_ptx() -> None:
+    """Both kernels compile for sm_90 at the served head shapes without register spills, waiting on
+    the previous kernel (PDL); the FP8 combine counts arrivals with one acquire-release atomic."""
+    pointers = ["q_ptr", "k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"]
+    split_sig = {name: "*bf16" for name in pointers}
+    split_sig.update(
+        {name: "*fp32" for name in ["rope_ptr", "o_part_ptr", "m_part_ptr", "l_part_ptr"]},
+        pos_ptr="*i64",
+        counter_ptr="*i32",
+        qk_scale="fp32",
+    )
+    ints = ["n_kv_heads", "cache_len", "n_splits", "stride_q", "stride_k", "stride_v", "stride_rope"]
+    split_sig.update(dict.fromkeys([*ints, "stride_cb", "stride_ch"], "i32"))
+    combine_sig = {name: "*fp32" for name in ["o_part_ptr", "m_part_ptr", "l_part_ptr", "scale_ptr"]}
+    combine_sig.update(
+        out_ptr="*bf16", fp8_ptr="*fp8e4nv", counter_ptr="*i32", n_kv_heads="i32", n_splits="i32"
+    )
+    for group, head_dim in [(4, 128), (8, 128), (2, 64)]:
+        constexprs = dict(G=group, G_PAD=16, D=head_dim, BLOCK=da.BLOCK_N, SNAP=False, PDL=True)
+        ptx = compile_sm90(da._split_kernel, split_sig, constexprs, num_warps=4).asm["ptx"]
+        assert "griddepcontrol.wait" in ptx
+        assert "0 bytes spill stores" in ptxas_log(ptx)
+        for fp8 in (False, True):
+            constexprs = dict(
+                G=group, G_PAD=group, SPLITS_PAD=32, D=head_dim, ROW_PAD=8 * group * head_dim, FP8_OUT=fp8,
+                SNAP=False, PDL=True,
+            )  # fmt: skip
+            ptx = compile_sm90(da._combine_kernel, combine_sig, constexprs, num_warps=8).asm["ptx"]
+            assert "griddepcontrol.wait" in ptx
+            assert ptx.count("atom.global.gpu.acq_rel.add") == (1 if fp8 else 0)
+
+
+def test_kernels_compile_for_sm90() -> None:
+    run_without_interpreter("tests.test_decode_attention")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_cuda_graph_replays_follow_the_position(fp8: bool) -> None:
+    """Captured once, replayed at positions 0..L-1 with fresh q, k, v: each replay reads its position
+    from the device, writes the cache there and attends over the positions up to it."""
+    q, k, v, rope, pos, k_cache, v_cache = inputs(2, 32, 8, 128, 200, 0)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    decode_attention(q, k, v, rope, pos, k_cache, v_cache, fp8=fp8)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, k, v, rope, pos, k_cache, v_cache, fp8=fp8)
+    k_cache.copy_(ref_k)
+    v_cache.copy_(ref_v)
+    for position in [0, 1, 63, 64, 150, 199]:
+        for t in (q, k, v):
+            t.copy_(torch.randn_like(t, dtype=torch.float32))
+        pos.fill_(position)
+        graph.replay()
+        ref = decode_attention_reference(q, k, v, rope, pos, ref_k, ref_v, fp8=fp8)
+        assert_cache_equal(k_cache, ref_k)
+        assert_cache_equal(v_cache, ref_v)
+        if fp8:
+            got, want = dequantize(out[0].view(2, -1), out[1]), dequantize(ref[0].view(2, -1), ref[1])
+            assert rel_err(got, want) < 3e-2
+        else:
+            assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_compiled_cuda_graph_decode_equals_the_stock_path(monkeypatch: pytest.MonkeyPatch, fp8: bool) -> None:
+    """serve's decode step (torch.compile fullgraph + CUDA graph) traces the op; its greedy tokens over
+    32 steps equal the stock path's, eager."""
+    model = tiny_model(n_heads=8, n_kv_heads=2)
+    if fp8:
+        model.args.fp8 = True
+        convert_to_fp8(model)
+    prompt = torch.randint(0, 160, (2, 9), device=DEVICE)
+    fused = generate(model, prompt, 32, cuda_graph=True, compile=True)
+    monkeypatch.setattr(llama, "fused_decode_supported", lambda *args: False)
+    stock = generate(model, prompt, 32, cuda_graph=False)
+    assert torch.equal(fused, stock)
