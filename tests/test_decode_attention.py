@@ -15,7 +15,7 @@ from kernels.decode_attention import decode_attention, decode_attention_referenc
 from kernels.fp8 import dequantize
 from model.args import ModelArgs
 from model.fp8 import convert_to_fp8
-from model.generate import generate
+from model.generate import generate, prefill
 from model.llama import Llama
 from tests.sm90 import compile_sm90, ptxas_log, run_without_interpreter
 
@@ -200,6 +200,37 @@ def test_replaced_attention_function_keeps_the_stock_path(monkeypatch: pytest.Mo
     calls = count_fused_calls(monkeypatch)
     generate(model, torch.randint(0, 160, (1, 5), device=DEVICE), 3, cuda_graph=False)
     assert calls == []
+
+
+def test_compiled_step_updates_the_cache_in_place() -> None:
+    """torch.compile(fullgraph=True), as serve's decode step runs: the op is traced once per layer and
+    called on the cache buffers themselves (a functionalized copy of each layer's cache per step
+    would cost more than the attention), and the compiled step gives the eager step's logits."""
+    from torch._inductor.utils import run_and_get_code
+
+    from model.generate import register_weft_ops_with_inductor
+
+    model = tiny_model()
+    model.setup_caches(1, 40)
+    prefill(model, torch.randint(0, 160, (1, 5), device=DEVICE))
+    caches = [
+        (layer.attention.kv_cache.k.clone(), layer.attention.kv_cache.v.clone()) for layer in model.layers
+    ]
+    token, pos = torch.randint(0, 160, (1, 1), device=DEVICE), torch.tensor([5], device=DEVICE)
+    with torch.no_grad():
+        eager = model(token, pos).float()
+        for layer, (k, v) in zip(model.layers, caches, strict=True):
+            layer.attention.kv_cache.k.copy_(k)
+            layer.attention.kv_cache.v.copy_(v)
+        register_weft_ops_with_inductor()
+        compiled, code = run_and_get_code(torch.compile(model, dynamic=False, fullgraph=True), token, pos)
+    code = "\n".join(code)
+    assert code.count("torch.ops.weft.decode_attention.default(") == len(model.layers)
+    assert "clone" not in code and "copy_(" not in code
+    assert rel_err(compiled, eager) < 1e-2
+    for layer, (k, v) in zip(model.layers, caches, strict=True):  # position 5, written by the compiled step
+        assert not torch.equal(layer.attention.kv_cache.k[:, :, 5], k[:, :, 5])
+        assert not torch.equal(layer.attention.kv_cache.v[:, :, 5], v[:, :, 5])
 
 
 def check_sm90_ptx() -> None:
