@@ -1,9 +1,11 @@
-"""Command-line arguments of the benchmarks that a CPU can check."""
+"""Command-line arguments of the benchmarks, and the smoke runs, that a CPU can check."""
 
 import argparse
 
 import pytest
+import torch
 
+from benchmarks import bench_decode_attention
 from benchmarks.bench_fp8 import shape_arg
 
 
@@ -13,3 +15,13 @@ def test_tune_shapes_parse_and_reject_clearly() -> None:
     for bad in ("8192by8192", "8192x", "x4096", "0x4096", "-1x8", "4096x14336x2"):
         with pytest.raises(argparse.ArgumentTypeError, match="NxK"):
             shape_arg(bad)
+
+
+def test_decode_attention_benchmark_smoke_run() -> None:
+    """--smoke runs every path of the benchmark (ours with and without PDL, stock eager and compiled,
+    bf16 and FP8 outputs) at one tiny shape, on CPU through the interpreter."""
+    rows = bench_decode_attention.main(["--smoke"])
+    assert [row["out"] for row in rows] == ["bf16", "fp8"]
+    for row in rows:
+        for key in ("ours_us", "ours_no_pdl_us", "eager_us", "compile_us", "floor_us"):
+            assert row[key] > 0 and torch.isfinite(torch.tensor(row[key])), (key, row)
