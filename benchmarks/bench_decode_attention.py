@@ -131,7 +131,9 @@ def bench(
                     "batch": batch,
                     "cache_len": cache_len,
                     "out": out,
-                    "splits": da.num_splits(batch, n_kv_heads, cache_len, device),
+                    "splits": da.num_splits(
+                        batch, n_kv_heads, n_heads // n_kv_heads, head_dim, cache_len, device
+                    ),
                     "ours_us": timings[True],
                     "ours_no_pdl_us": timings[False],
                     "eager_us": eager,

@@ -59,6 +59,9 @@ from kernels.fp8 import (
 BLOCK_N = 64  # cached positions per tile of the first kernel
 MIN_POSITIONS_PER_SPLIT = 64
 SPLIT_PROGRAMS_PER_SM = 2
+# fp32 partial outputs one combine program loads at once (32 per thread at 16 warps), and its splits.
+COMBINE_ELEMENTS = 16384
+MAX_SPLITS = 64
 # The running max of a split that has seen no position yet: finite, so that exp2(m_old - m_new) is 0
 # rather than NaN when a split turns out empty; the combine gives such a split zero weight.
 EMPTY_MAX = tl.constexpr(-1e30)
@@ -76,11 +79,24 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
-def num_splits(batch: int, n_kv_heads: int, cache_len: int, device: torch.device) -> int:
-    """Splits of the positions per (sequence, kv head): enough programs for SPLIT_PROGRAMS_PER_SM per
-    SM, none with a share of the full cache below MIN_POSITIONS_PER_SPLIT."""
+def num_splits(
+    batch: int, n_kv_heads: int, group: int, head_dim: int, cache_len: int, device: torch.device
+) -> int:
+    """Splits of the positions per (sequence, kv head): a power of two, about SPLIT_PROGRAMS_PER_SM
+    programs per SM, none with a share of the full cache below MIN_POSITIONS_PER_SPLIT, and few enough
+    that the combine holds a kv head's partial outputs (group x splits x head_dim) in registers."""
     wanted = triton.cdiv(programs_cap(device) * SPLIT_PROGRAMS_PER_SM, batch * n_kv_heads)
-    return max(1, min(wanted, triton.cdiv(cache_len, MIN_POSITIONS_PER_SPLIT)))
+    wanted = min(wanted, triton.cdiv(cache_len, MIN_POSITIONS_PER_SPLIT))
+    return _floor_power_of_2(max(1, min(wanted, max_splits(group, head_dim))))
+
+
+def max_splits(group: int, head_dim: int) -> int:
+    """The most splits a combine program takes: MAX_SPLITS, or fewer for a large group x head dim."""
+    return _floor_power_of_2(min(MAX_SPLITS, COMBINE_ELEMENTS // (triton.next_power_of_2(group) * head_dim)))
+
+
+def _floor_power_of_2(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
 
 
 def fused_decode_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -100,6 +116,41 @@ def _rotate(ptr, offsets, mask, cos, signed_sin, dim):
     x = tl.load(ptr + offsets + dim[None, :], mask=mask, other=0.0).to(tl.float32)
     partner = tl.load(ptr + offsets + (dim ^ 1)[None, :], mask=mask, other=0.0).to(tl.float32)
     return x * cos[None, :] + partner * signed_sin[None, :]
+
+
+@triton.jit
+def _load_tile(k_cache_ptr, v_cache_ptr, cache, first, stop, dim, D: tl.constexpr, BLOCK: tl.constexpr):
+    """Keys and values [BLOCK, D] of the cached positions first .. first + BLOCK - 1 below `stop`."""
+    positions = first + tl.arange(0, BLOCK)
+    inside = (positions < stop)[:, None]
+    tile = cache + positions.to(tl.int64)[:, None] * D + dim[None, :]
+    keys = tl.load(k_cache_ptr + tile, mask=inside, other=0.0)
+    values = tl.load(v_cache_ptr + tile, mask=inside, other=0.0)
+    return keys, values
+
+
+@triton.jit
+def _attend_tile(
+    q, keys, values, first, stop, m_i, l_i, acc, qk_scale, BLOCK: tl.constexpr, SNAP: tl.constexpr
+):
+    """One tile of the online softmax: (running max, running sum, unnormalised output) after it."""
+    dtype = keys.dtype
+    if SNAP:
+        # Triton 3.6's interpreter multiplies the raw bits of bf16 operands in tl.dot: dot in fp32.
+        keys = keys.to(tl.float32)
+    scores = tl.dot(q, tl.trans(keys)) * qk_scale
+    scores = tl.where((first + tl.arange(0, BLOCK) < stop)[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    # P is rounded to the cache's dtype for the second MMA, as flash attention does.
+    p = downcast(p, dtype, SNAP)
+    if SNAP:
+        p = p.to(tl.float32)
+        values = values.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, values)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -139,12 +190,25 @@ def _split_kernel(
     dim = tl.arange(0, D)
     rows = tl.arange(0, G_PAD)
     pos = tl.load(pos_ptr)
+    # This split's share of the positions 0 .. pos; a position past the cache (a caller's error) is
+    # neither read nor written.
+    n_positions = tl.minimum(pos + 1, cache_len)
+    share = tl.cdiv(n_positions, n_splits)
+    start = split * share
+    end = tl.minimum(start + share, n_positions)
+    holds_pos = (start <= pos) & (pos < end)
+    # Cached positions of the share: all but the current one, which comes from registers below.
+    stop = tl.minimum(end, pos)
+    cache = b.to(tl.int64) * stride_cb + h.to(tl.int64) * stride_ch
     # Interleaved pairs: element d is rotated by angle d // 2 of the position's row.
     pair = (dim // 2) * 2
     cos = tl.load(rope_ptr + pos * stride_rope + pair).to(tl.float32)
     sin = tl.load(rope_ptr + pos * stride_rope + pair + 1).to(tl.float32)
     signed_sin = tl.where(dim % 2 == 0, -sin, sin)
-    # q, k and v are the previous kernel's output: wait for it (the rotary rows above are not).
+    # The position, the rotary rows and the cache rows before the position are no output of the kernel
+    # before this one (the cache was written at earlier steps), so the first tile's loads are issued
+    # before waiting on it; q, k and v are its output.
+    keys, values = _load_tile(k_cache_ptr, v_cache_ptr, cache, start, stop, dim, D, BLOCK)
     pdl_wait(PDL, False)
 
     dtype = k_cache_ptr.dtype.element_ty
@@ -157,15 +221,8 @@ def _split_kernel(
     k_new = downcast(k_new, dtype, SNAP)
     v_new = tl.load(v_ptr + b64 * stride_v + h * D + dim[None, :])
     if SNAP:
-        # Triton 3.6's interpreter multiplies the raw bits of bf16 operands in tl.dot: dot in fp32.
         q = q.to(tl.float32)
-
-    n_positions = pos + 1
-    share = tl.cdiv(n_positions, n_splits)
-    start = split * share
-    end = tl.minimum(start + share, n_positions)
-    cache = b64 * stride_cb + h.to(tl.int64) * stride_ch
-    if (start <= pos) & (pos < end) & (pos < cache_len):
+    if holds_pos:
         tl.store(k_cache_ptr + cache + pos * D + dim[None, :], k_new)
         tl.store(v_cache_ptr + cache + pos * D + dim[None, :], v_new)
     if (h == 0) & (split == 0):
@@ -175,33 +232,15 @@ def _split_kernel(
     m_i = tl.full([G_PAD], EMPTY_MAX, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    # Cached positions of this share: all but the current one, which comes from registers below.
-    stop = tl.minimum(end, pos)
-    offsets = tl.arange(0, BLOCK)
-    for first in range(start, stop, BLOCK):
-        positions = first + offsets
-        inside = (positions < stop)[:, None]
-        tile = cache + positions.to(tl.int64)[:, None] * D + dim[None, :]
-        keys = tl.load(k_cache_ptr + tile, mask=inside, other=0.0)
-        values = tl.load(v_cache_ptr + tile, mask=inside, other=0.0)
-        if SNAP:
-            keys = keys.to(tl.float32)
-        scores = tl.dot(q, tl.trans(keys)) * qk_scale
-        scores = tl.where((positions < stop)[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        p = downcast(p, dtype, SNAP)
-        if SNAP:
-            p = p.to(tl.float32)
-            values = values.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, values)
-        m_i = m_new
+    if start < stop:
+        m_i, l_i, acc = _attend_tile(q, keys, values, start, stop, m_i, l_i, acc, qk_scale, BLOCK, SNAP)
+    for first in range(start + BLOCK, stop, BLOCK):
+        keys, values = _load_tile(k_cache_ptr, v_cache_ptr, cache, first, stop, dim, D, BLOCK)
+        m_i, l_i, acc = _attend_tile(q, keys, values, first, stop, m_i, l_i, acc, qk_scale, BLOCK, SNAP)
 
     # The current position, from registers, in the split that holds it.
     score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
-    score = tl.where((start <= pos) & (pos < end), score, float("-inf"))
+    score = tl.where(holds_pos, score, float("-inf"))
     m_new = tl.maximum(m_i, score)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(score - m_new)
@@ -320,10 +359,19 @@ def _check(q, k, v, rope, input_pos, k_cache, v_cache) -> None:
         )
 
 
+def combine_launch(n_kv_heads: int, group: int, head_dim: int, splits: int, fp8: bool) -> tuple[int, int]:
+    """(ROW_PAD, num_warps) of the combine kernel: 32 partial-output elements a thread, and for FP8
+    at most 16 elements a thread of the row that the last program quantizes."""
+    row_pad = triton.next_power_of_2(n_kv_heads * group * head_dim)
+    held = triton.next_power_of_2(group) * splits * head_dim
+    warps = max(held // 1024, row_pad // 512 if fp8 else 1)
+    return row_pad, max(4, min(16, triton.next_power_of_2(warps)))
+
+
 def _launch(q, k, v, rope, input_pos, k_cache, v_cache, out, fp8_out, scales) -> None:
     batch, n_kv_heads, cache_len, head_dim = k_cache.shape
     group = q.shape[2] // head_dim // n_kv_heads
-    splits = num_splits(batch, n_kv_heads, cache_len, q.device)
+    splits = num_splits(batch, n_kv_heads, group, head_dim, cache_len, q.device)
     rows = batch * n_kv_heads * group
     o_part = torch.empty(rows * splits * head_dim, dtype=torch.float32, device=q.device)
     m_part = torch.empty(rows * splits, dtype=torch.float32, device=q.device)
@@ -338,13 +386,13 @@ def _launch(q, k, v, rope, input_pos, k_cache, v_cache, out, fp8_out, scales) ->
         G=group, G_PAD=group_pad, D=head_dim, BLOCK=BLOCK_N, SNAP=INTERPRETED, PDL=pdl,
         num_warps=4, **launch_options(q.device),
     )  # fmt: skip
-    row_pad = triton.next_power_of_2(n_kv_heads * group * head_dim)
+    row_pad, warps = combine_launch(n_kv_heads, group, head_dim, splits, fp8_out is not None)
     _combine_kernel[(batch * n_kv_heads,)](
         o_part, m_part, l_part, out, fp8_out if fp8_out is not None else out,
         scales if scales is not None else m_part, counter, n_kv_heads, splits,
         G=group, G_PAD=triton.next_power_of_2(group), SPLITS_PAD=triton.next_power_of_2(splits),
         D=head_dim, ROW_PAD=row_pad, FP8_OUT=fp8_out is not None, SNAP=INTERPRETED, PDL=pdl,
-        num_warps=4 if fp8_out is None else max(4, min(16, row_pad // 512)), **launch_options(q.device),
+        num_warps=warps, **launch_options(q.device),
     )  # fmt: skip
 
 

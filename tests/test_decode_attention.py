@@ -109,15 +109,19 @@ def test_matches_reference(poisoned: None, tiles: None, shape: tuple[int, ...], 
     assert rel_err(got, dequantize(ref_values.view(batch, -1), ref_scales)) < 3e-2
 
 
-def test_splits_follow_the_position(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The launch's split count depends on the batch, kv heads, cache length and SMs only; a short
-    cache caps it so that no split's share of the full cache is below MIN_POSITIONS_PER_SPLIT."""
+def test_split_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launch's split count depends on the shapes and SMs only (a power of two): about two programs
+    per SM, no share of the full cache below MIN_POSITIONS_PER_SPLIT, and no more partial outputs
+    than a combine program holds."""
     cpu = torch.device("cpu")
     monkeypatch.setattr(da, "programs_cap", lambda device: 132)
-    assert da.num_splits(1, 8, 4096, cpu) == 33
-    assert da.num_splits(8, 8, 4096, cpu) == 5
-    assert da.num_splits(1, 8, 640, cpu) == 10
-    assert da.num_splits(64, 8, 32768, cpu) == 1
+    assert da.num_splits(1, 8, 4, 128, 4096, cpu) == 32  # Llama-3-8B: 33 wanted
+    assert da.num_splits(1, 8, 8, 128, 32768, cpu) == 16  # Llama-3-70B: the combine's registers
+    assert da.num_splits(8, 8, 4, 128, 4096, cpu) == 4
+    assert da.num_splits(1, 8, 4, 128, 640, cpu) == 8  # 10 shares of 64 positions
+    assert da.num_splits(64, 8, 4, 128, 32768, cpu) == 1
+    assert da.num_splits(1, 1, 4, 128, 4096, cpu) == 32  # a tensor-parallel shard with one kv head
+    assert da.num_splits(1, 1, 2, 64, 8192, cpu) == da.MAX_SPLITS
 
 
 @pytest.mark.parametrize(
@@ -255,13 +259,16 @@ def check_sm90_ptx() -> None:
         ptx = compile_sm90(da._split_kernel, split_sig, constexprs, num_warps=4).asm["ptx"]
         assert "griddepcontrol.wait" in ptx
         assert "0 bytes spill stores" in ptxas_log(ptx)
+        splits = da.max_splits(group, head_dim)
         for fp8 in (False, True):
+            row_pad, warps = da.combine_launch(8, group, head_dim, splits, fp8)
             constexprs = dict(
-                G=group, G_PAD=group, SPLITS_PAD=32, D=head_dim, ROW_PAD=8 * group * head_dim, FP8_OUT=fp8,
-                SNAP=False, PDL=True,
+                G=group, G_PAD=group, SPLITS_PAD=splits, D=head_dim, ROW_PAD=row_pad, FP8_OUT=fp8, SNAP=False,
+                PDL=True,
             )  # fmt: skip
-            ptx = compile_sm90(da._combine_kernel, combine_sig, constexprs, num_warps=8).asm["ptx"]
+            ptx = compile_sm90(da._combine_kernel, combine_sig, constexprs, num_warps=warps).asm["ptx"]
             assert "griddepcontrol.wait" in ptx
+            assert "0 bytes spill stores" in ptxas_log(ptx)
             assert ptx.count("atom.global.gpu.acq_rel.add") == (1 if fp8 else 0)
 
 
