@@ -27,12 +27,19 @@ Why this shape:
   position: the work stays spread over every split as the sequence grows, and nothing past the
   position is read (the stock path reads the whole static cache and masks it).
 - Grouping the G query heads of a kv head into one program reads each cached row once for all of them.
-- The position, the rotary rows and (only positions before the current one are read) the cache are no
-  output of the kernel before this op, so with programmatic dependent launch (kernels.fp8) the first
-  kernel loads the rotary rows before waiting on the qkv projection's kernel.
-- Splits per SM (SPLIT_PROGRAMS_PER_SM) and the smallest share (MIN_POSITIONS_PER_SPLIT) trade the
-  first kernel's occupancy against the combine's reads (B * Hq * splits * D * 4 bytes): measure with
-  benchmarks/bench_decode_attention.py before changing them.
+- The position, the rotary rows and the cache rows before the position are no output of the kernel
+  before this op (the cache was written at earlier steps), so under programmatic dependent launch
+  (kernels.fp8) the first kernel issues them, its first tile of keys and values included, before it
+  waits on the qkv projection: at batch 1 and short caches, where each split is one tile, the whole
+  cache read overlaps the projection's tail.
+- Split counts are powers of two: about SPLIT_PROGRAMS_PER_SM programs per SM (the first kernel takes
+  ~230 registers a thread at 4 warps, so two fit an SM), no share of the full cache below
+  MIN_POSITIONS_PER_SPLIT, and at most what one combine program holds in registers (COMBINE_ELEMENTS
+  partial outputs, MAX_SPLITS). These trade the first kernel's occupancy against the combine's reads
+  (B * Hq * splits * D * 4 bytes): measure with benchmarks/bench_decode_attention.py before changing
+  them.
+- The second kernel is a separate launch rather than the last split program of each kv head: stream
+  order makes the partials visible without fences, and under PDL its launch overlaps the first one.
 """
 
 from __future__ import annotations
