@@ -15,7 +15,7 @@ from kernels.decode_attention import decode_attention, decode_attention_referenc
 from kernels.fp8 import dequantize
 from model.args import ModelArgs
 from model.fp8 import convert_to_fp8
-from model.generate import generate, prefill
+from model.generate import DecodeStep, generate, prefill
 from model.llama import Llama
 from tests.sm90 import compile_sm90, ptxas_log, run_without_interpreter
 
@@ -306,15 +306,27 @@ def test_cuda_graph_replays_follow_the_position(fp8: bool) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_compiled_cuda_graph_decode_equals_the_stock_path(monkeypatch: pytest.MonkeyPatch, fp8: bool) -> None:
-    """serve's decode step (torch.compile fullgraph + CUDA graph) traces the op; its greedy tokens over
-    32 steps equal the stock path's, eager."""
+def test_compiled_cuda_graph_decode_tracks_the_stock_path(monkeypatch: pytest.MonkeyPatch, fp8: bool) -> None:
+    """serve's decode step (torch.compile fullgraph + CUDA graph) traces the op: fed the stock path's
+    greedy tokens, every one of 24 steps gives the stock (eager) step's logits."""
     model = tiny_model(n_heads=8, n_kv_heads=2)
     if fp8:
         model.args.fp8 = True
         convert_to_fp8(model)
     prompt = torch.randint(0, 160, (2, 9), device=DEVICE)
-    fused = generate(model, prompt, 32, cuda_graph=True, compile=True)
+    steps = 24
+
+    def logits_per_step(tokens: torch.Tensor, step: DecodeStep) -> list[torch.Tensor]:
+        model.setup_caches(2, 9 + steps)
+        prefill(model, prompt)
+        return [step(tokens[:, i], 9 + i).float().clone() for i in range(steps)]
+
+    fused_step = DecodeStep(model, 2, torch.device(DEVICE), cuda_graph=True, compile=True)
     monkeypatch.setattr(llama, "fused_decode_supported", lambda *args: False)
-    stock = generate(model, prompt, 32, cuda_graph=False)
-    assert torch.equal(fused, stock)
+    tokens = generate(model, prompt, steps + 1, cuda_graph=False)
+    stock = logits_per_step(tokens, DecodeStep(model, 2, torch.device(DEVICE), cuda_graph=False))
+    monkeypatch.undo()
+    fused = logits_per_step(tokens, fused_step)
+    model.clear_caches()
+    for i, (got, want) in enumerate(zip(fused, stock, strict=True)):
+        assert rel_err(got, want) < (3e-2 if fp8 else 1e-2), i
