@@ -161,7 +161,7 @@ def _attend_tile(
 
 
 @triton.jit
-def _split_kernel(
+def _decode_attention_split_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -263,7 +263,7 @@ def _split_kernel(
 
 
 @triton.jit
-def _combine_kernel(
+def _decode_attention_combine_kernel(
     o_part_ptr,
     m_part_ptr,
     l_part_ptr,
@@ -386,7 +386,7 @@ def _launch(q, k, v, rope, input_pos, k_cache, v_cache, out, fp8_out, scales) ->
     counter = torch.empty(batch, dtype=torch.int32, device=q.device)
     group_pad = max(16, triton.next_power_of_2(group))
     pdl = pdl_for(q.device)
-    _split_kernel[(batch * n_kv_heads, splits)](
+    _decode_attention_split_kernel[(batch * n_kv_heads, splits)](
         q, k, v, rope, input_pos, k_cache, v_cache, o_part, m_part, l_part, counter,
         n_kv_heads, cache_len, splits, q.stride(0), k.stride(0), v.stride(0), rope.stride(0),
         k_cache.stride(0), k_cache.stride(1), LOG2E / math.sqrt(head_dim),
@@ -394,7 +394,7 @@ def _launch(q, k, v, rope, input_pos, k_cache, v_cache, out, fp8_out, scales) ->
         num_warps=4, **launch_options(q.device),
     )  # fmt: skip
     row_pad, warps = combine_launch(n_kv_heads, group, head_dim, splits, fp8_out is not None)
-    _combine_kernel[(batch * n_kv_heads,)](
+    _decode_attention_combine_kernel[(batch * n_kv_heads,)](
         o_part, m_part, l_part, out, fp8_out if fp8_out is not None else out,
         scales if scales is not None else m_part, counter, n_kv_heads, splits,
         G=group, G_PAD=triton.next_power_of_2(group), SPLITS_PAD=triton.next_power_of_2(splits),

@@ -256,7 +256,7 @@ def check_sm90_ptx() -> None:
     )
     for group, head_dim in [(4, 128), (8, 128), (2, 64)]:
         constexprs = dict(G=group, G_PAD=16, D=head_dim, BLOCK=da.BLOCK_N, SNAP=False, PDL=True)
-        ptx = compile_sm90(da._split_kernel, split_sig, constexprs, num_warps=4).asm["ptx"]
+        ptx = compile_sm90(da._decode_attention_split_kernel, split_sig, constexprs, num_warps=4).asm["ptx"]
         assert "griddepcontrol.wait" in ptx
         assert "0 bytes spill stores" in ptxas_log(ptx)
         splits = da.max_splits(group, head_dim)
@@ -266,7 +266,9 @@ def check_sm90_ptx() -> None:
                 G=group, G_PAD=group, SPLITS_PAD=splits, D=head_dim, ROW_PAD=row_pad, FP8_OUT=fp8, SNAP=False,
                 PDL=True,
             )  # fmt: skip
-            ptx = compile_sm90(da._combine_kernel, combine_sig, constexprs, num_warps=warps).asm["ptx"]
+            ptx = compile_sm90(
+                da._decode_attention_combine_kernel, combine_sig, constexprs, num_warps=warps
+            ).asm["ptx"]
             assert "griddepcontrol.wait" in ptx
             assert "0 bytes spill stores" in ptxas_log(ptx)
             assert ptx.count("atom.global.gpu.acq_rel.add") == (1 if fp8 else 0)
