@@ -301,10 +301,6 @@ def _matmul_rs_kernel(
     pending_flag = pid * 0
     tile = tile_begin + tl.atomic_add(claim_ptr, 1, sem="relaxed")
     while tile < tile_end:
-        # The next claim is issued before this tile's product, so that its round trip to L2 is hidden
-        # behind the main loop instead of stalling between tiles. A program then holds two tiles, both
-        # claimed while it runs: the schedule's no-wait-cycle argument is unchanged.
-        next_tile = tile_begin + tl.atomic_add(claim_ptr, 1, sem="relaxed")
         dest, m, j = _tile_coords(tile, tiles_per_dest, row_tiles, n_tiles, RANK, WORLD, GROUP_M)
         piece = m // row_tiles_per_piece
         row0 = (m % row_tiles_per_piece) * BM
@@ -333,7 +329,7 @@ def _matmul_rs_kernel(
             data = _rank_base(data_table, RANK, data_offset, DT)
             _reduce_half(left, data, slot_numel, piece, row0, n0, rows, n, out_ptr, RANK, WORLD, BM, BH)
             _reduce_half(right, data, slot_numel, piece, row0, n0 + BH, rows, n, out_ptr, RANK, WORLD, BM, BH)
-        tile = next_tile
+        tile = tile_begin + tl.atomic_add(claim_ptr, 1, sem="relaxed")
     if pending_dest >= 0:
         _announce(flag_table, pending_dest, flag_offset, pending_flag, epoch + 1)
     # Every slot advances (each program writes slots pid, pid + nprog, ...): the next launch may use
