@@ -143,18 +143,33 @@ class Fp8Block(nn.Module):
 
 
 @torch.no_grad()
+def convert_block_to_fp8(
+    model: Llama, index: int, reduce: Hook | None = None, channel_amax: Hook | None = None
+) -> None:
+    """Replace block `index` by its FP8 form, whose bf16 weights are then freed: a model materialised
+    block by block (serve.py) is quantized as it goes, never holding more than one block in bf16."""
+    model.layers[index] = Fp8Block(model.layers[index], reduce or _identity, channel_amax)
+
+
+@torch.no_grad()
+def convert_head_to_fp8(model: Llama, gather_logits: Hook | None = None) -> None:
+    """The final norm and the output projection in FP8 (the embedding's weight when tied)."""
+    model.norm = Fp8FinalNorm(model.norm)
+    model.output = Fp8Linear(model.output.weight, gather_logits or _identity)
+
+
+@torch.no_grad()
 def convert_to_fp8(
     model: Llama,
-    reduce: Hook = _identity,
-    gather_logits: Hook = _identity,
+    reduce: Hook | None = None,
+    gather_logits: Hook | None = None,
     channel_amax: Hook | None = None,
 ) -> Llama:
     """Quantize the model's linear layers in place for FP8 decoding (the embedding stays bf16); the
     hooks are a tensor-parallel model's (module docstring)."""
-    for i, block in enumerate(model.layers):
-        model.layers[i] = Fp8Block(block, reduce, channel_amax)
-    model.norm = Fp8FinalNorm(model.norm)
-    model.output = Fp8Linear(model.output.weight, gather_logits)  # the embedding's weight when tied
+    for index in range(len(model.layers)):
+        convert_block_to_fp8(model, index, reduce, channel_amax)
+    convert_head_to_fp8(model, gather_logits)
     if model.tok_embeddings.weight.is_cuda:
         torch.cuda.empty_cache()
     return model
