@@ -153,3 +153,27 @@ def test_tensor_parallel_streamed_fp8_build_is_todays(tmp_path: Path) -> None:
     from tests.multiprocess import run_ranks
 
     run_ranks(_tp_streamed_build_is_todays, 2, str(saved_model(tmp_path, hf=False)))
+
+
+@pytest.mark.parametrize("row_parallel", [False, True])
+def test_weights_quantized_in_slices_equal_one_piece(
+    monkeypatch: pytest.MonkeyPatch, row_parallel: bool
+) -> None:
+    """Fp8Weight quantizes a few rows at a time (small fp32 copies for the 70B output projection): the
+    same e4m3 values and scales as the concatenated weight in one piece, with a row-parallel shard's
+    amax over the ranks (here: doubled) too."""
+    from kernels.fp8 import quantize_weight_per_channel
+    from model import fp8
+
+    monkeypatch.setattr(fp8, "QUANTIZE_SLICE_ELEMENTS", 3 * 40)  # 3 rows of 40
+    torch.manual_seed(0)
+    w1, w3 = torch.randn(7, 40, dtype=torch.bfloat16), torch.randn(5, 40, dtype=torch.bfloat16)
+    whole = torch.cat([w1, w3])
+    full_amax = (lambda amax: 2 * amax) if row_parallel else None
+    expected_q, expected_scale = quantize_weight_per_channel(
+        whole, 2 * whole.float().abs().amax(dim=-1) if row_parallel else None
+    )
+    assert len(fp8.row_slices((w1, w3))) == 5
+    got = fp8.Fp8Weight(w1, w3, full_amax=full_amax)
+    assert torch.equal(got.weight.view(torch.uint8), expected_q.view(torch.uint8))
+    assert torch.equal(got.scale, expected_scale)
