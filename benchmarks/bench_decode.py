@@ -4,9 +4,13 @@ sizes, bf16 (and FP8 where the kernels exist), with the roofline beside each row
     python -m benchmarks.bench_decode --model llama3_8b --batch-sizes 1 8 32 [--fp8] [--compile]
     torchrun --nproc_per_node=4 -m benchmarks.bench_decode --model llama3_70b --comms torch symm_mem triton
 
+    python -m benchmarks.bench_decode --model llama3_70b --batch-sizes 1 8 --fp8 --compile   # one H200
+
 Under torchrun the model is tensor-parallel over all ranks (tp = world size, serve.py's decode plan:
 each rank materialises only its shards) and each `--comms` path is timed in turn; the roofline is this
-rank's weights and KV cache over one GPU's copy bandwidth (communication not counted). Rank 0 writes
+rank's weights and KV cache over one GPU's copy bandwidth (communication not counted). A dtype whose
+model does not fit (model/memory.py's estimate, or out of memory on one GPU: bf16 Llama-3-70B on one
+H100) is skipped with the reason in the results' notes, and the other still runs. Rank 0 writes
 benchmarks/results/decode-<model>[-compiled]-<device>.{json,md}.
 """
 
@@ -21,11 +25,17 @@ from omegaconf import OmegaConf
 
 from benchmarks.common import refuse_shared_gpu, write_results
 from configs.schema import register_configs
+from model.memory import check_serving_fits
 from parallel import distributed
 from parallel.mesh import ParallelDims, build_mesh, validate_comm_ops, validate_model
 from serve import benchmark_decode, build_model
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def with_skipped(notes: str, skipped: list[str]) -> str:
+    """The results' notes, with the configurations that did not run and why."""
+    return notes + "".join(f"; not run: {reason}" for reason in skipped)
 
 
 def main() -> None:
@@ -62,7 +72,15 @@ def main() -> None:
         f"{' '.join(map(str, opts.batch_sizes))}{flags}{comms}`: prompt {opts.prompt_len}, "
         f"{opts.decode_steps} decode steps timed, CUDA graphs"
     )
-    rows = []
+    rows: list[dict[str, object]] = []
+    skipped: list[str] = []  # "<dtype>: why", one per configuration that did not run
+    cache_len = opts.prompt_len + opts.decode_steps
+
+    def skip(reason: str) -> None:
+        skipped.append(reason)
+        if distributed.rank() == 0:
+            print(f"skipped {reason}", flush=True)
+
     for comm in opts.comms if world > 1 else ["-"]:
         mesh = None
         if world > 1:
@@ -73,18 +91,35 @@ def main() -> None:
         for fp8 in [False, True] if opts.fp8 else [False]:
             args = OmegaConf.to_object(cfg.model)
             args.fp8 = fp8
-            model = build_model(args, None, device, torch.bfloat16, mesh, comm)
-            for compile in [False, True] if opts.compile else [False]:
-                for batch in opts.batch_sizes:
-                    row = benchmark_decode(
-                        model, batch, opts.prompt_len, opts.decode_steps, True, device, compile
-                    )
-                    rows.append({"tp": world, "comm": comm, "fp8": fp8, **row})
-                    if distributed.rank() == 0:
-                        # Rewritten after every row, so a run cut short keeps what it measured.
-                        write_results(name, rows, notes=notes)
-            del model
+            label = "fp8" if fp8 else "bf16"
+            try:  # the estimate decides alike on every rank
+                check_serving_fits(
+                    args, world, "bfloat16", max(opts.batch_sizes), opts.prompt_len, cache_len, device
+                )
+            except ValueError as err:
+                skip(f"{label}: {err}")
+                continue
+            model = None
+            try:
+                model = build_model(args, None, device, torch.bfloat16, mesh, comm)
+                for compile in [False, True] if opts.compile else [False]:
+                    for batch in opts.batch_sizes:
+                        row = benchmark_decode(
+                            model, batch, opts.prompt_len, opts.decode_steps, True, device, compile
+                        )
+                        rows.append({"tp": world, "comm": comm, "fp8": fp8, **row})
+                        if distributed.rank() == 0:
+                            # Rewritten after every row, so a run cut short keeps what it measured.
+                            write_results(name, rows, notes=with_skipped(notes, skipped))
+            except torch.OutOfMemoryError:
+                if world > 1:  # the other ranks would wait for this one in a collective
+                    raise
+                # The estimate passed it but leaves out the allocator's slack and workspaces.
+                skip(f"{label}: out of memory on one {torch.cuda.get_device_name(device)}")
+            model = None
             torch.cuda.empty_cache()
+    if rows and skipped and distributed.rank() == 0:
+        write_results(name, rows, notes=with_skipped(notes, skipped))
     distributed.shutdown()
 
 
