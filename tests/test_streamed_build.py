@@ -177,3 +177,28 @@ def test_weights_quantized_in_slices_equal_one_piece(
     got = fp8.Fp8Weight(w1, w3, full_amax=full_amax)
     assert torch.equal(got.weight.view(torch.uint8), expected_q.view(torch.uint8))
     assert torch.equal(got.scale, expected_scale)
+
+
+def test_llama3_70b_fp8_build_and_its_decode_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The streamed build at Llama-3-70B's shapes (80 layers, 64 query and 8 key/value heads), a dry run
+    on the meta device: bench_decode's roofline bytes are the memory estimate's FP8 weights less the
+    bf16 embedding (decode reads only its rows), plus the scales, plus the KV cache the estimate counts."""
+    from omegaconf import OmegaConf
+
+    from model.memory import serving_memory
+    from tests.test_user_errors import composed
+
+    args = OmegaConf.to_object(composed("serve", "model=llama3_70b").model)
+    args.fp8 = True
+    monkeypatch.setattr(serve, "check_fp8_device", lambda device: None)
+    model = serve.build_model(args, None, torch.device("meta"), torch.bfloat16)
+    assert model.layers[79].qkv.weight.shape == ((64 + 8 + 8) * 128, 8192)
+    assert model.layers[79].w13.weight.dtype == torch.float8_e4m3fn
+    assert model.output.fp8.weight.shape == (128256, 8192)
+    estimate = serving_memory(args, 1, "bfloat16", batch=8, prompt_len=512, cache_len=640)
+    assert serve.kv_cache_bytes(model, 8, 640) == estimate.parts["KV cache"]
+    scales = sum(b.numel() * 4 for name, b in model.named_buffers() if name.endswith(".scale"))
+    embedding = 2 * args.vocab_size * args.dim
+    expected = estimate.parts["weights"] - embedding + scales + estimate.parts["KV cache"]
+    assert serve.decode_bytes_per_step(model, 8, 640) == expected
+    assert 69e9 < expected < 72e9  # about 70 GB a decode step reads: an H200 (4.8 TB/s) at ~15 ms
