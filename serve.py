@@ -2,6 +2,7 @@
 
     python serve.py                                          # decode benchmark, debug preset, random weights
     python serve.py mode=bench model=llama3_8b               # on a GPU: bf16 with the roofline beside it
+    python serve.py model=llama3_70b model.fp8=true          # 70B in FP8 on one H200 (quantized as it loads)
     python serve.py mode=generate checkpoint=runs/train/X prompt="'def fib(n):'"
     python serve.py checkpoint=/path/to/Llama-3.1-8B mode=generate   # a Hugging Face directory
     python serve.py checkpoint=/path/to/Llama-3.1-8B-Instruct mode=generate chat=true prompt="Hi"

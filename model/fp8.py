@@ -10,6 +10,10 @@ and after the last block: residual add + RMSNorm + quantize -> output FP8 GEMM -
 Activations get one scale per token, computed inside the norm and SwiGLU kernels. The projections
 that read the same input are fused into one weight, so each reads its input once and launches once.
 
+serve.py quantizes each block as soon as it has its weights (`convert_block_to_fp8`, parallel/'s
+`materialize` calling it block by block), so that the model never exists whole in bf16: Llama-3-70B in
+FP8 (about 70 GB) builds and runs on one H200, whose memory its 141 GB of bf16 weights all but fill.
+
 A tensor-parallel model (parallel/ planned it; each rank holds its shards) converts the same way, given
 three hooks from parallel/ (`fp8_decode_hooks`): `reduce` sums the partial outputs of the row-parallel wo
 and w2 over the ranks, `gather_logits` joins the vocabulary shards of the output projection, and

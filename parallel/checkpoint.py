@@ -4,8 +4,10 @@ Saving gathers every tensor to its full (tp = 1, unsharded) shape: FSDP shards w
 an all-gather over dp, tensor-parallel shards with an all-gather over tp along the dimension the plan
 recorded. A checkpoint written at tp = 2 is therefore byte-for-byte the kind written at tp = 1 and
 loads at any tp; so do Hugging Face directories. Loading reads the full tensors on every rank and
-keeps each rank's slice (simple and correct; it needs host memory for one full copy per rank, and a
-sharded reader, e.g. torch.distributed.checkpoint, would replace it for the largest models).
+keeps each rank's slice: `materialize` (a model's first weights: serving, train.py's init_from) one
+tensor at a time from the memory-mapped files; resuming training (`load_parallel_checkpoint`) the whole
+state at once, needing host memory for one full copy per rank (a sharded reader, e.g.
+torch.distributed.checkpoint, would replace it for the largest models).
 
 Every rank must call these functions (they communicate); only rank 0 needs to write the result.
 """
