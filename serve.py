@@ -65,7 +65,7 @@ def build_model(
     outputs all-reduced, full logits gathered for sampling), planned on the meta device so that each
     rank only ever materialises its slice (a 70B model fits in 8 GPUs' memory this way). With
     model.fp8 each block is quantized as soon as it has its weights, so that only one block is ever
-    held in bf16 (70B in FP8, about 70 GB, fits on one 141 GB H200; in bf16 it would not)."""
+    held in bf16 (70B in FP8, about 70 GB, builds on one H200 with room to spare for the KV cache)."""
     if args.fp8:
         check_fp8_device(device)
         if dtype != torch.bfloat16:
@@ -85,6 +85,8 @@ def build_model(
     materialize(model, device, checkpoint, dtype, block_done=block_to_fp8 if args.fp8 else None)
     if args.fp8:
         convert_head_to_fp8(model, hooks.get("gather_logits"))
+        if device.type == "cuda":  # the last bf16 block and the quantize slices, cached by the allocator
+            torch.cuda.empty_cache()
     return model.eval()
 
 

@@ -5,12 +5,14 @@ sizes, bf16 (and FP8 where the kernels exist), with the roofline beside each row
     torchrun --nproc_per_node=4 -m benchmarks.bench_decode --model llama3_70b --comms torch symm_mem triton
 
     python -m benchmarks.bench_decode --model llama3_70b --batch-sizes 1 8 --fp8 --compile   # one H200
+    python -m benchmarks.bench_decode --model llama3_70b --batch-sizes 1 8 --fp8-only --compile
 
 Under torchrun the model is tensor-parallel over all ranks (tp = world size, serve.py's decode plan:
 each rank materialises only its shards) and each `--comms` path is timed in turn; the roofline is this
 rank's weights and KV cache over one GPU's copy bandwidth (communication not counted). A dtype whose
-model does not fit (model/memory.py's estimate, or out of memory on one GPU: bf16 Llama-3-70B on one
-H100) is skipped with the reason in the results' notes, and the other still runs. Rank 0 writes
+model does not fit (model/memory.py's estimate refuses it, e.g. bf16 Llama-3-70B on one H100, or it runs
+out of memory on one GPU) is skipped with the reason in the results' notes, and the other still runs.
+Rank 0 writes
 benchmarks/results/decode-<model>[-compiled]-<device>.{json,md}.
 """
 
@@ -47,6 +49,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--decode-steps", type=int, default=128)
     parser.add_argument("--fp8", action="store_true", help="also run the FP8 decode path")
+    parser.add_argument("--fp8-only", action="store_true", help="run the FP8 decode path only (no bf16 rows)")
     parser.add_argument(
         "--compile", action="store_true", help="also time the compiled decode step (*-compiled files)"
     )
@@ -64,7 +67,7 @@ def main() -> None:
     with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
         cfg = compose("serve", overrides=[f"model={opts.model}"])
     launcher = f"torchrun --nproc_per_node={world} " if world > 1 else "python "
-    flags = " --fp8" * opts.fp8 + " --compile" * opts.compile
+    flags = " --fp8" * opts.fp8 + " --fp8-only" * opts.fp8_only + " --compile" * opts.compile
     comms = f" --comms {' '.join(opts.comms)}" if world > 1 else ""
     name = f"decode-{opts.model}" + ("-compiled" if opts.compile else "")
     notes = (
@@ -88,7 +91,7 @@ def main() -> None:
             validate_comm_ops(dims, training=False)
             validate_model(dims, OmegaConf.to_object(cfg.model), training=False)
             mesh = build_mesh(dims, "cuda")
-        for fp8 in [False, True] if opts.fp8 else [False]:
+        for fp8 in [True] if opts.fp8_only else [False, True] if opts.fp8 else [False]:
             args = OmegaConf.to_object(cfg.model)
             args.fp8 = fp8
             label = "fp8" if fp8 else "bf16"
