@@ -103,9 +103,10 @@ def serving_memory(
     weights = linear + element * (embedding + norms)
     block = args._layer_matmul_params() / tp + 2 * args.dim
     drawn_in_full = table if tp > 1 else 0
-    loading = element * (max(block, embedding) + drawn_in_full) + QUANTIZE_BYTES_PER_ELEMENT * min(
-        QUANTIZE_SLICE_ELEMENTS, table
-    )
+    # The largest weight quantized at once: [w1|w3], [wq|wk|wv] or the output projection.
+    largest = max(2 * args.ffn_hidden, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, args.vocab_size)
+    quantizing = QUANTIZE_BYTES_PER_ELEMENT * min(QUANTIZE_SLICE_ELEMENTS, largest * args.dim / tp)
+    loading = element * (max(block, embedding) + drawn_in_full) + quantizing
     if loading >= kv_cache + prefill:
         return MemoryEstimate({"weights": weights, f"one block in {dtype} while quantizing": loading})
     return MemoryEstimate({"weights": weights, "KV cache": kv_cache, "prefill": prefill})

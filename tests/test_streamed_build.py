@@ -202,3 +202,30 @@ def test_llama3_70b_fp8_build_and_its_decode_bytes(monkeypatch: pytest.MonkeyPat
     expected = estimate.parts["weights"] - embedding + scales + estimate.parts["KV cache"]
     assert serve.decode_bytes_per_step(model, 8, 640) == expected
     assert 69e9 < expected < 72e9  # about 70 GB a decode step reads: an H200 (4.8 TB/s) at ~15 ms
+
+
+def fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.skipif(not fp8_gpu(), reason="needs a CUDA GPU with FP8 (compute capability 8.9+)")
+def test_streamed_fp8_build_peaks_at_the_estimate_on_a_gpu() -> None:
+    """On a GPU the streamed build's peak allocation stays within the estimate's loading peak (FP8
+    weights, one bf16 block, one quantize slice), far below the model in bf16."""
+    from model.memory import serving_memory
+
+    args = ModelArgs(
+        dim=1024, n_layers=24, n_heads=8, n_kv_heads=4, vocab_size=4096, ffn_hidden=4096, fp8=True
+    )
+    device = torch.device("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    model = serve.build_model(args, None, device, torch.bfloat16)
+    peak = torch.cuda.max_memory_allocated() - before
+    estimate = serving_memory(args, 1, "bfloat16", batch=1, prompt_len=1, cache_len=1)
+    assert "one block in bfloat16 while quantizing" in estimate.parts
+    rope = model.rope.numel() * model.rope.element_size()
+    assert peak <= 1.02 * estimate.total + rope, (peak, estimate.describe())
+    assert peak < 0.75 * 2 * args.num_params()
