@@ -2,6 +2,7 @@
 
     python serve.py                                          # decode benchmark, debug preset, random weights
     python serve.py mode=bench model=llama3_8b               # on a GPU: bf16 with the roofline beside it
+    python serve.py model=llama3_70b model.fp8=true          # 70B in FP8 on one H200 (quantized as it loads)
     python serve.py mode=generate checkpoint=runs/train/X prompt="'def fib(n):'"
     python serve.py checkpoint=/path/to/Llama-3.1-8B mode=generate   # a Hugging Face directory
     python serve.py checkpoint=/path/to/Llama-3.1-8B-Instruct mode=generate chat=true prompt="Hi"
@@ -31,7 +32,7 @@ from configs.schema import ServeConfig
 from configs.validate import SERVE_DTYPES, validate_serve_config
 from model.args import ModelArgs
 from model.chat import load_chat_template, read_messages, render_chat
-from model.fp8 import check_fp8_device, convert_to_fp8
+from model.fp8 import check_fp8_device, convert_block_to_fp8, convert_head_to_fp8
 from model.generate import DecodeStep, Sampling, decode_tokens, prefill
 from model.generation_config import resolve_sampling, stop_ids
 from model.llama import Llama
@@ -62,7 +63,9 @@ def build_model(
     """The model in `dtype` on `device`: a checkpoint's weights, or random ones of the preset. With a
     `mesh` whose tp > 1 it is tensor-parallel for decode over `comm` (no sequence parallelism; row-parallel
     outputs all-reduced, full logits gathered for sampling), planned on the meta device so that each
-    rank only ever materialises its slice (a 70B model fits in 8 GPUs' memory this way)."""
+    rank only ever materialises its slice (a 70B model fits in 8 GPUs' memory this way). With
+    model.fp8 each block is quantized as soon as it has its weights, so that only one block is ever
+    held in bf16 (70B in FP8, about 70 GB, builds on one H200 with room to spare for the KV cache)."""
     if args.fp8:
         check_fp8_device(device)
         if dtype != torch.bfloat16:
@@ -72,11 +75,18 @@ def build_model(
     if mesh is not None:
         plan = ParallelizeConfig(comm=comm, sequence_parallel=False, fsdp=False)
         parallelize_llama(model, mesh, plan)
+    hooks = fp8_decode_hooks(model) if args.fp8 else {}
+
+    def block_to_fp8(index: int) -> None:
+        convert_block_to_fp8(model, index, hooks.get("reduce"), hooks.get("channel_amax"))
+
     # Materialised directly in the serving dtype (an 8B model in fp32 would need twice the memory);
     # the init rebuilds the rotary table in fp32.
-    materialize(model, device, checkpoint, dtype)
+    materialize(model, device, checkpoint, dtype, block_done=block_to_fp8 if args.fp8 else None)
     if args.fp8:
-        convert_to_fp8(model, **fp8_decode_hooks(model))
+        convert_head_to_fp8(model, hooks.get("gather_logits"))
+        if device.type == "cuda":  # the last bf16 block and the quantize slices, cached by the allocator
+            torch.cuda.empty_cache()
     return model.eval()
 
 

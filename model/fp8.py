@@ -10,6 +10,10 @@ and after the last block: residual add + RMSNorm + quantize -> output FP8 GEMM -
 Activations get one scale per token, computed inside the norm and SwiGLU kernels. The projections
 that read the same input are fused into one weight, so each reads its input once and launches once.
 
+serve.py quantizes each block as soon as it has its weights (`convert_block_to_fp8`, parallel/'s
+`materialize` calling it block by block), so that the model never exists whole in bf16: Llama-3-70B in
+FP8 (about 70 GB) builds and runs on one H200, whose memory its 141 GB of bf16 weights all but fill.
+
 A tensor-parallel model (parallel/ planned it; each rank holds its shards) converts the same way, given
 three hooks from parallel/ (`fp8_decode_hooks`): `reduce` sums the partial outputs of the row-parallel wo
 and w2 over the ranks, `gather_logits` joins the vocabulary shards of the output projection, and
@@ -24,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kernels.fp8 import quantize_per_token, quantize_weight_per_channel
+from kernels.fp8 import FP8, quantize_per_token, quantize_weight_per_channel
 from kernels.fp8_gemm import fp8_gemm
 from kernels.fp8_norm import add_rmsnorm_fp8, rmsnorm_fp8
 from kernels.fp8_swiglu import swiglu_fp8
@@ -42,14 +46,40 @@ def check_fp8_device(device: torch.device) -> None:
 Hook = Callable[[torch.Tensor], torch.Tensor]
 
 
+# Weights are quantized this many elements (whole rows) at a time: each row has its own scale, so the
+# result is the same, and the fp32 copies quantizing takes stay small (Llama-3-70B's output projection
+# in one piece would need 13 GB of them).
+QUANTIZE_SLICE_ELEMENTS = 2**26
+# Bytes per element of a slice while it is quantized: its fp32 copy, the quotient by the scales and
+# their clamped copy (kernels.fp8.quantize_reference), and the e4m3 result.
+QUANTIZE_BYTES_PER_ELEMENT = 13
+
+
+def row_slices(weights: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """The weights' rows, in order, in slices of at most QUANTIZE_SLICE_ELEMENTS (at least one row)."""
+    rows = max(1, QUANTIZE_SLICE_ELEMENTS // weights[0].shape[1])
+    return [w.detach()[start : start + rows] for w in weights for start in range(0, w.shape[0], rows)]
+
+
 class Fp8Weight(nn.Module):
     """One or more linear weights [N_i, K] concatenated and quantized: e4m3 [sum N_i, K] + fp32 [sum N_i]."""
 
     def __init__(self, *weights: torch.Tensor, full_amax: Hook | None = None) -> None:
         super().__init__()
-        weight = torch.cat([w.detach() for w in weights])
-        amax = None if full_amax is None else full_amax(weight.float().abs().amax(dim=-1))
-        q, scale = quantize_weight_per_channel(weight, amax)
+        slices = row_slices(weights)
+        rows, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
+        q = torch.empty((rows, k), dtype=FP8, device=weights[0].device)
+        scale = torch.empty(rows, dtype=torch.float32, device=weights[0].device)
+        amax = None
+        if full_amax is not None:  # the row-parallel shards' amax over the ranks, for all rows at once
+            amax = full_amax(torch.cat([part.float().abs().amax(dim=-1) for part in slices]))
+        start = 0
+        for part in slices:
+            end = start + part.shape[0]
+            q[start:end], scale[start:end] = quantize_weight_per_channel(
+                part, None if amax is None else amax[start:end]
+            )
+            start = end
         self.register_buffer("weight", q)
         self.register_buffer("scale", scale)
 
@@ -143,18 +173,33 @@ class Fp8Block(nn.Module):
 
 
 @torch.no_grad()
+def convert_block_to_fp8(
+    model: Llama, index: int, reduce: Hook | None = None, channel_amax: Hook | None = None
+) -> None:
+    """Replace block `index` by its FP8 form, whose bf16 weights are then freed: a model materialised
+    block by block (serve.py) is quantized as it goes, never holding more than one block in bf16."""
+    model.layers[index] = Fp8Block(model.layers[index], reduce or _identity, channel_amax)
+
+
+@torch.no_grad()
+def convert_head_to_fp8(model: Llama, gather_logits: Hook | None = None) -> None:
+    """The final norm and the output projection in FP8 (the embedding's weight when tied)."""
+    model.norm = Fp8FinalNorm(model.norm)
+    model.output = Fp8Linear(model.output.weight, gather_logits or _identity)
+
+
+@torch.no_grad()
 def convert_to_fp8(
     model: Llama,
-    reduce: Hook = _identity,
-    gather_logits: Hook = _identity,
+    reduce: Hook | None = None,
+    gather_logits: Hook | None = None,
     channel_amax: Hook | None = None,
 ) -> Llama:
     """Quantize the model's linear layers in place for FP8 decoding (the embedding stays bf16); the
     hooks are a tensor-parallel model's (module docstring)."""
-    for i, block in enumerate(model.layers):
-        model.layers[i] = Fp8Block(block, reduce, channel_amax)
-    model.norm = Fp8FinalNorm(model.norm)
-    model.output = Fp8Linear(model.output.weight, gather_logits)  # the embedding's weight when tied
+    for index in range(len(model.layers)):
+        convert_block_to_fp8(model, index, reduce, channel_amax)
+    convert_head_to_fp8(model, gather_logits)
     if model.tok_embeddings.weight.is_cuda:
         torch.cuda.empty_cache()
     return model
