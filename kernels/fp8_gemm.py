@@ -156,11 +156,7 @@ def save_tuned(gpu: str, configs: dict[str, GemmConfig]) -> None:
 def _tile_dot(x, y, UPCAST: tl.constexpr):
     """x @ y with an fp32 result. UPCAST (bf16 under the interpreter): the operands widened to fp32
     first, as Triton 3.6's interpreter multiplies bf16 dot operands as their raw 16-bit patterns."""
-    if UPCAST:
-        out = tl.dot(x.to(tl.float32), y.to(tl.float32))
-    else:
-        out = tl.dot(x, y)
-    return out
+    return tl.dot(x.to(tl.float32), y.to(tl.float32)) if UPCAST else tl.dot(x, y)
 
 
 @triton.jit
