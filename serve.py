@@ -31,6 +31,7 @@ from configs.schema import ServeConfig
 from configs.validate import SERVE_DTYPES, validate_serve_config
 from model.args import ModelArgs
 from model.chat import load_chat_template, read_messages, render_chat
+from model.decode import Bf16Kernels, DecodeBlock, convert_for_decode, runs_bf16_decode_kernels
 from model.fp8 import check_fp8_device, convert_to_fp8
 from model.generate import DecodeStep, Sampling, decode_tokens, prefill
 from model.generation_config import resolve_sampling, stop_ids
@@ -41,7 +42,7 @@ from model.tokenizer import HFTokenizer, TextStream, Tokenizer
 from parallel import distributed
 from parallel.checkpoint import materialize
 from parallel.mesh import build_mesh, validate_comm_ops, validate_decode_graphs, validate_model
-from parallel.parallelize import ParallelizeConfig, fp8_decode_hooks, parallelize_llama
+from parallel.parallelize import ParallelizeConfig, decode_hooks, fp8_decode_hooks, parallelize_llama
 from report import environment, markdown_table
 
 log = logging.getLogger("serve")
@@ -62,7 +63,9 @@ def build_model(
     """The model in `dtype` on `device`: a checkpoint's weights, or random ones of the preset. With a
     `mesh` whose tp > 1 it is tensor-parallel for decode over `comm` (no sequence parallelism; row-parallel
     outputs all-reduced, full logits gathered for sampling), planned on the meta device so that each
-    rank only ever materialises its slice (a 70B model fits in 8 GPUs' memory this way)."""
+    rank only ever materialises its slice (a 70B model fits in 8 GPUs' memory this way). FP8 models,
+    and bf16 ones on a CUDA GPU unless model.decode_kernels=false, decode on weft's kernels
+    (model/fp8.py, model/decode.py)."""
     if args.fp8:
         check_fp8_device(device)
         if dtype != torch.bfloat16:
@@ -77,6 +80,8 @@ def build_model(
     materialize(model, device, checkpoint, dtype)
     if args.fp8:
         convert_to_fp8(model, **fp8_decode_hooks(model))
+    elif runs_bf16_decode_kernels(args, device, dtype):
+        convert_for_decode(model, Bf16Kernels(), **decode_hooks(model))
     return model.eval()
 
 
@@ -159,6 +164,8 @@ def benchmark_decode(
     row: dict[str, object] = {
         "model": model.args.name,
         "dtype": "fp8" if model.args.fp8 else str(model.tok_embeddings.weight.dtype).removeprefix("torch."),
+        # weft's decode kernels (model/decode.py), or the stock modules.
+        "kernels": "weft" if isinstance(model.layers[0], DecodeBlock) else "stock",
         "compiled": compile,
         "batch": batch,
         "prompt_len": prompt_len,
