@@ -193,6 +193,19 @@ class DecodeLinear(nn.Module):
 
 
 @torch.no_grad()
+def convert_block(model: Llama, index: int, kernels: DecodeKernels, reduce: Hook = identity) -> None:
+    """Replace block `index` by its DecodeBlock on `kernels` (its unfused weights are then freed)."""
+    model.layers[index] = DecodeBlock(model.layers[index], kernels, reduce)
+
+
+@torch.no_grad()
+def convert_head(model: Llama, kernels: DecodeKernels, gather_logits: Hook = identity) -> None:
+    """The final norm and the output projection on `kernels` (the embedding's weight when tied)."""
+    model.norm = DecodeFinalNorm(model.norm, kernels)
+    model.output = DecodeLinear(model.output.weight, kernels, gather_logits)
+
+
+@torch.no_grad()
 def convert_for_decode(
     model: Llama, kernels: DecodeKernels, reduce: Hook = identity, gather_logits: Hook = identity
 ) -> Llama:
@@ -200,10 +213,9 @@ def convert_for_decode(
     stays as it is); the hooks are a tensor-parallel model's (module docstring). The model serves
     inference only from then on: weft's kernels have no backward."""
     model.requires_grad_(False)
-    for i, block in enumerate(model.layers):
-        model.layers[i] = DecodeBlock(block, kernels, reduce)
-    model.norm = DecodeFinalNorm(model.norm, kernels)
-    model.output = DecodeLinear(model.output.weight, kernels, gather_logits)  # the embedding's when tied
+    for index in range(len(model.layers)):
+        convert_block(model, index, kernels, reduce)
+    convert_head(model, kernels, gather_logits)
     if model.tok_embeddings.weight.is_cuda:
         torch.cuda.empty_cache()
     return model
