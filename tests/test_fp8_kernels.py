@@ -483,3 +483,17 @@ def test_gemm_realistic(monkeypatch: pytest.MonkeyPatch, pdl: bool, m: int, n: i
     b_tensor_scale = b_scale.max().reshape(1)
     ref = fp8_gemm_reference(a, a_scale, b, b_tensor_scale)
     assert rel_err(fp8_gemm(a, a_scale, b, b_tensor_scale), ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("m", [1, 8, 16, 64, 100])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (28672, 4096), (1000, 3000)])
+def test_bf16_gemm_realistic(monkeypatch: pytest.MonkeyPatch, pdl: bool, m: int, n: int, k: int) -> None:
+    """bf16_gemm at Llama-3-8B decode shapes (and a ragged one) in a CUDA graph, the skinny kernel up
+    to M = 64 and F.linear beyond."""
+    from kernels import fp8
+
+    monkeypatch.setattr(fp8, "USE_PDL", pdl)
+    a, b = bf16(m, k), bf16(n, k, scale=0.02)
+    assert rel_err(_graph_calls(lambda: bf16_gemm(a, b)), bf16_gemm_reference(a, b)) < 1e-2
