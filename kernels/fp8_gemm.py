@@ -30,8 +30,8 @@ waits on the previous one (programmatic dependent launch, kernels.fp8.USE_PDL): 
 scales must not be written by the kernel right before the call.
 Beyond M = 64 the work is no longer weight-bound and `torch._scaled_mm` (bf16: F.linear) takes over.
 
-In bf16 the per-tile partial sums are exact in fp32 wgmma (the e4m3 accumulation limit does not apply);
-the kernel keeps the same loop for both dtypes so that one pipeline is tuned and tested.
+bf16 wgmma keeps a full fp32 sum, so bf16 alone would not need the per-tile restart; the kernel keeps the
+same loop for both dtypes, so that one pipeline is tuned and tested.
 """
 
 from __future__ import annotations
