@@ -1,7 +1,8 @@
 """End-to-end decode benchmark: serve.py's decode loop on a preset with random weights, several batch
-sizes, bf16 (and FP8 where the kernels exist), with the roofline beside each row.
+sizes, bf16 on weft's decode kernels (and on the stock modules with --stock, FP8 with --fp8), with the
+roofline beside each row.
 
-    python -m benchmarks.bench_decode --model llama3_8b --batch-sizes 1 8 32 [--fp8] [--compile]
+    python -m benchmarks.bench_decode --model llama3_8b --batch-sizes 1 8 32 [--fp8] [--stock] [--compile]
     torchrun --nproc_per_node=4 -m benchmarks.bench_decode --model llama3_70b --comms torch symm_mem triton
 
     python -m benchmarks.bench_decode --model llama3_70b --batch-sizes 1 8 --fp8 --compile   # one H200
@@ -51,6 +52,9 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="also run the FP8 decode path")
     parser.add_argument("--fp8-only", action="store_true", help="run the FP8 decode path only (no bf16 rows)")
     parser.add_argument(
+        "--stock", action="store_true", help="also run bf16 on the stock modules (model.decode_kernels=false)"
+    )
+    parser.add_argument(
         "--compile", action="store_true", help="also time the compiled decode step (*-compiled files)"
     )
     parser.add_argument(
@@ -67,7 +71,10 @@ def main() -> None:
     with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
         cfg = compose("serve", overrides=[f"model={opts.model}"])
     launcher = f"torchrun --nproc_per_node={world} " if world > 1 else "python "
-    flags = " --fp8" * opts.fp8 + " --fp8-only" * opts.fp8_only + " --compile" * opts.compile
+    flags = "".join(
+        flag for flag, on in [(" --fp8", opts.fp8), (" --fp8-only", opts.fp8_only), (" --stock", opts.stock),
+                              (" --compile", opts.compile)] if on
+    )  # fmt: skip
     comms = f" --comms {' '.join(opts.comms)}" if world > 1 else ""
     name = f"decode-{opts.model}" + ("-compiled" if opts.compile else "")
     notes = (
@@ -91,10 +98,13 @@ def main() -> None:
             validate_comm_ops(dims, training=False)
             validate_model(dims, OmegaConf.to_object(cfg.model), training=False)
             mesh = build_mesh(dims, "cuda")
-        for fp8 in [True] if opts.fp8_only else [False, True] if opts.fp8 else [False]:
+        # (model.fp8, model.decode_kernels): bf16 on weft's kernels, on the stock modules, FP8.
+        variants = [] if opts.fp8_only else [(False, True)] + [(False, False)] * opts.stock
+        variants += [(True, True)] * (opts.fp8 or opts.fp8_only)
+        for fp8, decode_kernels in variants:
             args = OmegaConf.to_object(cfg.model)
-            args.fp8 = fp8
-            label = "fp8" if fp8 else "bf16"
+            args.fp8, args.decode_kernels = fp8, decode_kernels
+            label = "fp8" if fp8 else "bf16" if decode_kernels else "bf16 (stock)"
             try:  # the estimate decides alike on every rank
                 check_serving_fits(
                     args, world, "bfloat16", max(opts.batch_sizes), opts.prompt_len, cache_len, device

@@ -34,7 +34,7 @@ FORMAT_VERSION = 1
 STEP_PREFIX = "step_"
 # Model args that do not change what the saved weights mean: a name, how weights are initialised, and
 # how they are run.
-NOT_COMPARED = ("name", "init_std", "fp8")
+NOT_COMPARED = ("name", "init_std", "fp8", "decode_kernels")
 
 log = logging.getLogger(__name__)
 

@@ -40,12 +40,13 @@ def checkpoint_args(path: Path) -> ModelArgs:
 
 def resolve_init_weights(init_from: str | None, args: ModelArgs) -> tuple[Path | None, ModelArgs]:
     """(checkpoint directory or None, the model args to build): a checkpoint's own shape replaces the
-    configured preset; only `fp8`, a choice of how to run the weights, is kept from the config."""
+    configured preset; only `fp8` and `decode_kernels`, choices of how to run the weights, are kept
+    from the config."""
     if init_from is None:
         return None, args
     path = resolve_checkpoint(init_from)
     loaded = checkpoint_args(path)
-    loaded.fp8 = args.fp8
+    loaded.fp8, loaded.decode_kernels = args.fp8, args.decode_kernels
     return path, loaded
 
 

@@ -13,3 +13,19 @@ def test_tune_shapes_parse_and_reject_clearly() -> None:
     for bad in ("8192by8192", "8192x", "x4096", "0x4096", "-1x8", "4096x14336x2"):
         with pytest.raises(argparse.ArgumentTypeError, match="NxK"):
             shape_arg(bad)
+
+
+def test_bf16_gemm_benchmark_shapes_come_from_the_presets() -> None:
+    """bench_bf16_gemm times the fused weights serve.py's bf16 decode path reads, per preset."""
+    from benchmarks.bench_bf16_gemm import decode_gemms
+
+    layers, gemms = decode_gemms("llama3_8b")
+    assert layers == 32
+    assert gemms == [
+        ("wqkv", 6144, 4096),
+        ("wo", 4096, 4096),
+        ("w13", 28672, 4096),
+        ("w2", 4096, 14336),
+        ("output", 128256, 4096),
+    ]
+    assert decode_gemms("llama3_70b")[1][2] == ("w13", 57344, 8192)

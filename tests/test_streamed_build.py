@@ -64,14 +64,14 @@ def streamed(
     """serve.build_model on the CPU (its GPU check lifted), and the bf16 bytes the model held each
     time a block was converted."""
     held: list[int] = []
-    convert = serve.convert_block_to_fp8
+    convert = serve.convert_block
 
     def recording(model: Llama, index: int, *hooks) -> None:
         held.append(sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta))
         convert(model, index, *hooks)
 
     monkeypatch.setattr(serve, "check_fp8_device", lambda device: None)
-    monkeypatch.setattr(serve, "convert_block_to_fp8", recording)
+    monkeypatch.setattr(serve, "convert_block", recording)
     torch.manual_seed(seed)
     return serve.build_model(args, checkpoint, CPU, torch.bfloat16), held
 
@@ -194,7 +194,7 @@ def test_llama3_70b_fp8_build_and_its_decode_bytes(monkeypatch: pytest.MonkeyPat
     model = serve.build_model(args, None, torch.device("meta"), torch.bfloat16)
     assert model.layers[79].qkv.weight.shape == ((64 + 8 + 8) * 128, 8192)
     assert model.layers[79].w13.weight.dtype == torch.float8_e4m3fn
-    assert model.output.fp8.weight.shape == (128256, 8192)
+    assert model.output.proj.weight.shape == (128256, 8192)
     estimate = serving_memory(args, 1, "bfloat16", batch=8, prompt_len=512, cache_len=640)
     assert serve.kv_cache_bytes(model, 8, 640) == estimate.parts["KV cache"]
     scales = sum(b.numel() * 4 for name, b in model.named_buffers() if name.endswith(".scale"))
