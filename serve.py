@@ -2,6 +2,7 @@
 
     python serve.py                                          # decode benchmark, debug preset, random weights
     python serve.py mode=bench model=llama3_8b               # on a GPU: bf16 with the roofline beside it
+    python serve.py model=llama3_70b model.fp8=true          # 70B in FP8 on one H200 (quantized as it loads)
     python serve.py mode=generate checkpoint=runs/train/X prompt="'def fib(n):'"
     python serve.py checkpoint=/path/to/Llama-3.1-8B mode=generate   # a Hugging Face directory
     python serve.py checkpoint=/path/to/Llama-3.1-8B-Instruct mode=generate chat=true prompt="Hi"
@@ -31,7 +32,15 @@ from configs.schema import ServeConfig
 from configs.validate import SERVE_DTYPES, validate_serve_config
 from model.args import ModelArgs
 from model.chat import load_chat_template, read_messages, render_chat
-from model.fp8 import check_fp8_device, convert_to_fp8
+from model.decode import (
+    Bf16Kernels,
+    DecodeBlock,
+    convert_block,
+    convert_head,
+    identity,
+    runs_bf16_decode_kernels,
+)
+from model.fp8 import Fp8Kernels, check_fp8_device
 from model.generate import DecodeStep, Sampling, decode_tokens, prefill
 from model.generation_config import resolve_sampling, stop_ids
 from model.llama import Llama
@@ -41,7 +50,7 @@ from model.tokenizer import HFTokenizer, TextStream, Tokenizer
 from parallel import distributed
 from parallel.checkpoint import materialize
 from parallel.mesh import build_mesh, validate_comm_ops, validate_decode_graphs, validate_model
-from parallel.parallelize import ParallelizeConfig, fp8_decode_hooks, parallelize_llama
+from parallel.parallelize import ParallelizeConfig, decode_hooks, fp8_decode_hooks, parallelize_llama
 from report import environment, markdown_table
 
 log = logging.getLogger("serve")
@@ -62,7 +71,11 @@ def build_model(
     """The model in `dtype` on `device`: a checkpoint's weights, or random ones of the preset. With a
     `mesh` whose tp > 1 it is tensor-parallel for decode over `comm` (no sequence parallelism; row-parallel
     outputs all-reduced, full logits gathered for sampling), planned on the meta device so that each
-    rank only ever materialises its slice (a 70B model fits in 8 GPUs' memory this way)."""
+    rank only ever materialises its slice (a 70B model fits in 8 GPUs' memory this way). FP8 models,
+    and bf16 ones on a CUDA GPU unless model.decode_kernels=false, decode on weft's kernels
+    (model/fp8.py, model/decode.py). Each block is converted as soon as it has its weights, so that an
+    FP8 model is never held whole in bf16 (70B in FP8, about 70 GB, builds on one H200 with room to
+    spare for the KV cache)."""
     if args.fp8:
         check_fp8_device(device)
         if dtype != torch.bfloat16:
@@ -72,11 +85,25 @@ def build_model(
     if mesh is not None:
         plan = ParallelizeConfig(comm=comm, sequence_parallel=False, fsdp=False)
         parallelize_llama(model, mesh, plan)
+    kernels = None
+    if args.fp8:
+        hooks = fp8_decode_hooks(model)
+        kernels = Fp8Kernels(hooks.pop("channel_amax", None))
+    elif runs_bf16_decode_kernels(args, device, dtype):
+        hooks = decode_hooks(model)
+        kernels = Bf16Kernels()
+
+    def convert(index: int) -> None:
+        convert_block(model, index, kernels, hooks.get("reduce", identity))
+
     # Materialised directly in the serving dtype (an 8B model in fp32 would need twice the memory);
     # the init rebuilds the rotary table in fp32.
-    materialize(model, device, checkpoint, dtype)
-    if args.fp8:
-        convert_to_fp8(model, **fp8_decode_hooks(model))
+    materialize(model, device, checkpoint, dtype, block_done=convert if kernels else None)
+    if kernels:
+        convert_head(model, kernels, hooks.get("gather_logits", identity))
+        model.requires_grad_(False)  # weft's kernels have no backward
+        if device.type == "cuda":  # the last unconverted block and the quantize slices, cached
+            torch.cuda.empty_cache()
     return model.eval()
 
 
@@ -159,6 +186,8 @@ def benchmark_decode(
     row: dict[str, object] = {
         "model": model.args.name,
         "dtype": "fp8" if model.args.fp8 else str(model.tok_embeddings.weight.dtype).removeprefix("torch."),
+        # weft's decode kernels (model/decode.py), or the stock modules.
+        "kernels": "weft" if isinstance(model.layers[0], DecodeBlock) else "stock",
         "compiled": compile,
         "batch": batch,
         "prompt_len": prompt_len,

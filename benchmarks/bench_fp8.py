@@ -189,26 +189,51 @@ def gemm_operands(m: int, n: int, k: int):
     return a, a_scale, weights
 
 
+def bf16_operands(m: int, n: int, k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    weights = [
+        torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies_for(2 * n * k))
+    ]
+    return a, weights
+
+
+SkinnyCall = Callable[[gemm.GemmConfig], torch.Tensor]
+
+
+def skinny_calls(m: int, n: int, k: int, dtype: torch.dtype) -> list[SkinnyCall]:
+    """The skinny GEMM on operands of `dtype` (FP8 or bf16), one call per rotated weight copy, each
+    taking the tile config to run."""
+    if dtype == fp8.FP8:
+        a, a_scale, weights = gemm_operands(m, n, k)
+        return [partial(gemm.skinny_fp8_gemm, a, a_scale, b, s) for b, s in weights]
+    a, weights = bf16_operands(m, n, k)
+    return [partial(gemm.skinny_bf16_gemm, a, b) for b in weights]
+
+
 def scaled_mm(a, a_scale, b, b_scale):
     return torch._scaled_mm(
         a, b.t(), scale_a=a_scale.view(-1, 1), scale_b=b_scale.view(1, -1), out_dtype=torch.bfloat16
     )
 
 
-def tune_space(bucket: int) -> list[gemm.GemmConfig]:
-    """Tile configs tried per M bucket (split_k 1 here, swept on top). Swapped 64-row weight tiles won
+def tune_space(bucket: int, element_bytes: int = 1) -> list[gemm.GemmConfig]:
+    """Tile configs tried per M bucket (split_k 1 here, swept on top), block_k given for e4m3 and
+    divided by `element_bytes` (bf16: 2, tiles of the same bytes). Swapped 64-row weight tiles won
     every shape on H200 (wgmma reads e4m3 from shared memory); at M <= 16, without the early tile,
     256 x 5 and 128 x 11 stages fit two programs per SM."""
-    swapped = partial(gemm.GemmConfig, split_k=1, swap_ab=True)
+
+    def swapped(bn: int, bk: int, **kwargs) -> gemm.GemmConfig:
+        return gemm.GemmConfig(bn, bk // element_bytes, 1, swap_ab=True, **kwargs)
+
     if bucket <= 16:
         space = [swapped(64, 128, num_stages=st) for st in (3, 4, 6, 8)]
         space += [swapped(64, 256, num_stages=st) for st in (3, 4, 6)]
         space += [swapped(64, 512, num_stages=3), swapped(128, 128, num_stages=4)]
         space += [swapped(128, 256, num_stages=3)]
         space += [swapped(64, bk, num_stages=st, early_tile=False) for bk, st in ((256, 5), (128, 11))]
-        return [*space, gemm.GemmConfig(32, 256, 1, num_stages=4)]
+        return [*space, gemm.GemmConfig(32, 256 // element_bytes, 1, num_stages=4)]
     space = [swapped(bn, bk, num_stages=st) for bn in (64, 128) for bk in (128, 256) for st in (3, 4)]
-    return [*space, gemm.GemmConfig(64, 256, 1, num_stages=4)]
+    return [*space, gemm.GemmConfig(64, 256 // element_bytes, 1, num_stages=4)]
 
 
 SPLITS = [1, 2, 3, 4, 5, 6, 8, 11, 12, 16]
@@ -222,32 +247,35 @@ def shape_arg(text: str) -> tuple[int, int]:
     return int(n), int(k)
 
 
-def tune_gemm(extra_nk: list[tuple[int, int]]) -> list[dict[str, object]]:
-    """Try tile configs per (M bucket, N, K) (with PDL, as served) for the table's shapes, TUNE_ONLY_NK
-    and `extra_nk`, and keep the fastest in kernels/fp8_gemm_configs.json, under this GPU's model name."""
-    gpu = gemm.gpu_model(torch.device("cuda", torch.cuda.current_device()))
+def tune_gemm(
+    extra_nk: list[tuple[int, int]], dtype: torch.dtype = fp8.FP8, shapes: list[tuple[int, int]] | None = None
+) -> list[dict[str, object]]:
+    """Try tile configs per (M bucket, N, K) (with PDL, as served) on operands of `dtype` (FP8 or bf16)
+    for `shapes` (default: the table's and TUNE_ONLY_NK) and `extra_nk`, and keep the fastest in
+    kernels/fp8_gemm_configs.json, under this GPU's model name (bf16 keys apart: config_key)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    gpu = gemm.gpu_model(device)
     best: dict[str, gemm.GemmConfig] = dict(gemm.TUNED.get(gpu, {}))
-    shapes = dict.fromkeys(GEMM_NK + TUNE_ONLY_NK + extra_nk)  # in order, each once
+    element_bytes = 1 if dtype == fp8.FP8 else 2
+    shapes = dict.fromkeys((GEMM_NK + TUNE_ONLY_NK if shapes is None else shapes) + extra_nk)  # each once
     log = []
     for m in [16, 32, 64]:
-        operands = {(n, k): gemm_operands(m, n, k) for n, k in shapes}
-        results: dict[tuple[int, int], list[tuple[float, gemm.GemmConfig]]] = {nk: [] for nk in operands}
+        calls = {(n, k): skinny_calls(m, n, k, dtype) for n, k in shapes}
+        results: dict[tuple[int, int], list[tuple[float, gemm.GemmConfig]]] = {nk: [] for nk in calls}
         # The config in use before this run (tuned earlier, the reference GPU's, or the heuristic).
         before = {}
-        for (n, k), (a, a_scale, weights) in operands.items():
-            cfg = gemm.config_for(m, n, k, a.device)
-            fns = [partial(gemm.skinny_fp8_gemm, a, a_scale, b, s, cfg) for b, s in weights]
-            before[(n, k)] = cfg, time_us(fns)
-        for space_cfg in tune_space(m):
+        for (n, k), fns in calls.items():
+            cfg = gemm.config_for(m, n, k, device, dtype)
+            before[(n, k)] = cfg, time_us([partial(fn, cfg) for fn in fns])
+        for space_cfg in tune_space(m, element_bytes):
             bk = space_cfg.block_k
-            for (n, k), (a, a_scale, weights) in operands.items():
+            for (n, k), fns in calls.items():
                 for split in SPLITS:
                     if (split - 1) * bk >= k or (split > 1 and k // split < bk):
                         continue
                     cfg = dataclasses.replace(space_cfg, split_k=split)
                     try:
-                        fns = [partial(gemm.skinny_fp8_gemm, a, a_scale, b, s, cfg) for b, s in weights]
-                        t = time_us(fns)
+                        t = time_us([partial(fn, cfg) for fn in fns])
                     except Exception as err:  # a config the compiler rejects (e.g. shared memory)
                         print(f"skip {cfg}: {type(err).__name__}", flush=True)
                         break
@@ -255,7 +283,7 @@ def tune_gemm(extra_nk: list[tuple[int, int]]) -> list[dict[str, object]]:
         for (n, k), found in results.items():
             found.sort(key=lambda r: r[0])
             t, cfg = found[0]
-            best[gemm.config_key(m, n, k)] = cfg
+            best[gemm.config_key(m, n, k, dtype)] = cfg
             for rank, (tt, cc) in enumerate(found[:5]):
                 log.append(
                     {
@@ -264,14 +292,14 @@ def tune_gemm(extra_nk: list[tuple[int, int]]) -> list[dict[str, object]]:
                         "K": k,
                         "rank": rank,
                         "us": tt,
-                        "TBps": n * k / tt / 1e6,
+                        "TBps": n * k * element_bytes / tt / 1e6,
                         "config": str(cc),
                         "before_us": before[(n, k)][1],
                         "before_config": str(before[(n, k)][0]),
                     }
                 )
             print(
-                f"tuned M<={m} N={n} K={k}: {cfg} {t:.2f} us ({n * k / t / 1e6:.2f} TB/s); "
+                f"tuned M<={m} N={n} K={k}: {cfg} {t:.2f} us ({n * k * element_bytes / t / 1e6:.2f} TB/s); "
                 f"before {before[(n, k)][1]:.2f} us with {before[(n, k)][0]}",
                 flush=True,
             )

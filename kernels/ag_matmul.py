@@ -101,22 +101,23 @@ class GemmConfig:
     num_warps: int
     num_stages: int
     splits: int  # flag runs per rank's rows (copy-engine chunks)
-    # Options for sweeps, off in the table until measured. flatten: the persistent loop and the K loop
-    # fused into one software-pipelined loop (Triton's `flatten`), so the next tile's first loads are in
-    # flight during this tile's epilogue. epilogue_split: the C tile stored in 1 or 2 column slices
-    # (half the epilogue staging in shared memory, room for a deeper pipeline).
+    # flatten: the persistent loop and the K loop fused into one software-pipelined loop (Triton's
+    # `flatten`), so the next tile's first loads are in flight during this tile's epilogue.
+    # epilogue_split: the C tile stored in 1 or 2 column slices (half the epilogue staging in shared
+    # memory, room for a deeper pipeline).
     flatten: bool = False
     epilogue_split: int = 1
 
 
-# (largest total N over the weights, config), first match. 128x256x64 / 8 warps / 3 stages is the
-# wgmma-friendly Hopper tile (208 KiB of shared memory with the epilogue tile, no register spills);
-# narrow outputs get 128x128 tiles so that enough tiles exist to fill the SMs. Not yet measured on
-# H200: refine from `torchrun --nproc_per_node=4 benchmarks/bench_ag_matmul.py --sweep`, the GEMM alone
-# from `python -m benchmarks.bench_ag_matmul --gemm-alone --sweep` on one GPU.
+# (largest total N over the weights, config), first match. 128x256x64 / 8 warps is the wgmma-friendly
+# Hopper tile; with the loops flattened, the C tile stored in two halves and 4 stages (224 KiB of shared
+# memory) it came within 1.01-1.05x of cuBLAS on one H100 where 3 stages unflattened were 1.02-1.08x
+# (benchmarks/results/ag_matmul_gemm_sweep-h100.md). Narrow outputs get 128x128 tiles so that enough
+# tiles exist to fill the SMs. Sweep: `python -m benchmarks.bench_ag_matmul --gemm-alone --sweep` (one
+# GPU, the GEMM alone) and `torchrun --nproc_per_node=4 benchmarks/bench_ag_matmul.py --sweep`.
 CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
     (1024, GemmConfig(128, 128, 64, 8, 8, 4, 4)),
-    (1 << 62, GemmConfig(128, 256, 64, 8, 8, 3, 4)),
+    (1 << 62, GemmConfig(128, 256, 64, 8, 8, 4, 4, flatten=True, epilogue_split=2)),
 )
 
 

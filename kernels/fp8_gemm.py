@@ -1,6 +1,7 @@
-"""Skinny FP8 GEMM for decode: out[M, N] = (A[M, K] * a_scale) @ (B[N, K] * b_scale)^T in bf16, for
-M <= 64 tokens, A and B in e4m3, A scaled per token (or per tensor), B per output channel (or per
-tensor).
+"""Skinny GEMM for decode, FP8 or bf16: out[M, N] = (A[M, K] * a_scale) @ (B[N, K] * b_scale)^T in bf16,
+for M <= 64 tokens, A and B in e4m3, A scaled per token (or per tensor), B per output channel (or per
+tensor); or A and B in bf16 without scales (`bf16_gemm`, the bf16 decode path's linear layers). One
+kernel serves both: a bf16 tile of the same bytes has half the K, so bf16 configs take half the block_k.
 
 At decode M is tiny, so the time is the time to read B (N * K bytes) once. The grid spreads B over
 many programs: columns in tiles of BLOCK_N, and K in `split_k` slices so that even a narrow N keeps
@@ -27,7 +28,10 @@ model with no configs of its own uses the reference GPU's (REFERENCE_GPU); untun
 heuristic. The weight's scales, and in most configs its first K tile, are loaded before the kernel
 waits on the previous one (programmatic dependent launch, kernels.fp8.USE_PDL): weights and their
 scales must not be written by the kernel right before the call.
-Beyond M = 64 the work is no longer weight-bound and `torch._scaled_mm` takes over.
+Beyond M = 64 the work is no longer weight-bound and `torch._scaled_mm` (bf16: F.linear) takes over.
+
+bf16 wgmma keeps a full fp32 sum, so bf16 alone would not need the per-tile restart; the kernel keeps the
+same loop for both dtypes, so that one pipeline is tuned and tested.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from functools import cache
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -65,21 +70,22 @@ def m_bucket(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
-def heuristic_config(m: int, n: int, k: int, sm_count: int = 132) -> GemmConfig:
-    """Swapped tiles of 64 weight rows x 256 of K (wgmma on Hopper), and K split by how many column
-    tiles there are per SM:
+def heuristic_config(m: int, n: int, k: int, sm_count: int = 132, element_bytes: int = 1) -> GemmConfig:
+    """Swapped tiles of 64 weight rows x 256 bytes of K (wgmma on Hopper: 256 of K in e4m3, 128 in
+    bf16, `element_bytes` 2), and K split by how many column tiles there are per SM:
     - fewer tiles than SMs: split until the programs fill the SMs at most once (36 tiles: 3; 64: 2);
     - one to two tiles per SM, M <= 16: the smallest split whose last wave is 90% full (160: 3);
     - otherwise no split (larger M makes the partials dearer than the balance they buy).
-    Each slice keeps at least 2048 of K. On H200 this came within 8% of the best of a 12-config sweep
-    at 12 shapes x M = 1 / 16 / 64; "about two programs per SM", the rule before it, was up to 2.8x
-    slower. Where the programs fill the SMs at most once and M <= 16, the loop runs 5 stages with no
-    early tile (the same shared memory as 4 stages with it, two programs per SM): on H200 3-12% faster
-    at 32 of 33 such (shape, M), where past one wave it ranged from 6% slower to 3% faster
-    (fp8-notes.md)."""
-    block_n, block_k = 64, 256
+    Each slice keeps at least 2 KiB of each weight row (2048 of K in e4m3). On H200 this came within
+    8% of the best of a 12-config sweep at 12 shapes x M = 1 / 16 / 64 (e4m3); "about two programs per
+    SM", the rule before it, was up to 2.8x slower. Where the programs fill the SMs at most once and
+    M <= 16, the loop runs 5 stages with no early tile (the same shared memory as 4 stages with it,
+    two programs per SM): on H200 3-12% faster at 32 of 33 such (shape, M), where past one wave it
+    ranged from 6% slower to 3% faster (fp8-notes.md). The bf16 tiles hold the same bytes, so the
+    same shared memory and waves: the rule carries over untuned."""
+    block_n, block_k = 64, 256 // element_bytes
     tiles = triton.cdiv(n, block_n)
-    max_split = max(1, k // 2048)
+    max_split = max(1, k * element_bytes // 2048)
     split = 1
     if tiles < sm_count:
         split = sm_count // tiles
@@ -113,8 +119,11 @@ def _load_tuned() -> dict[str, dict[str, GemmConfig]]:
 TUNED = _load_tuned()
 
 
-def config_key(m: int, n: int, k: int) -> str:
-    return f"{m_bucket(m)},{n},{k}"
+def config_key(m: int, n: int, k: int, dtype: torch.dtype = FP8) -> str:
+    """The tuned-config key: "M bucket,N,K" for e4m3 operands (the format before bf16), prefixed
+    "bf16," for bf16 ones."""
+    key = f"{m_bucket(m)},{n},{k}"
+    return key if dtype == FP8 else f"bf16,{key}"
 
 
 @cache
@@ -123,15 +132,17 @@ def gpu_model(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else REFERENCE_GPU
 
 
-def config_for(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
-    """The tuned config of `device`'s GPU model, else the reference GPU's, else heuristic_config."""
-    key = config_key(m, n, k)
+def config_for(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = FP8) -> GemmConfig:
+    """The tuned config of `device`'s GPU model, else the reference GPU's, else heuristic_config, for
+    operands of `dtype` (FP8 or bf16)."""
+    key = config_key(m, n, k, dtype)
     for gpu in (gpu_model(device), REFERENCE_GPU):
         if key in TUNED.get(gpu, {}):
             return TUNED[gpu][key]
+    element_bytes = 1 if dtype == FP8 else 2
     if device.type != "cuda":
-        return heuristic_config(m, n, k)
-    return heuristic_config(m, n, k, programs_cap(device))
+        return heuristic_config(m, n, k, element_bytes=element_bytes)
+    return heuristic_config(m, n, k, programs_cap(device), element_bytes)
 
 
 def save_tuned(gpu: str, configs: dict[str, GemmConfig]) -> None:
@@ -139,6 +150,13 @@ def save_tuned(gpu: str, configs: dict[str, GemmConfig]) -> None:
     TUNED[gpu] = dict(sorted(configs.items()))
     everything = {name: {k: asdict(v) for k, v in cfgs.items()} for name, cfgs in sorted(TUNED.items())}
     CONFIG_FILE.write_text(json.dumps(everything, indent=1) + "\n")
+
+
+@triton.jit
+def _tile_dot(x, y, UPCAST: tl.constexpr):
+    """x @ y with an fp32 result. UPCAST (bf16 under the interpreter): the operands widened to fp32
+    first, as Triton 3.6's interpreter multiplies bf16 dot operands as their raw 16-bit patterns."""
+    return tl.dot(x.to(tl.float32), y.to(tl.float32)) if UPCAST else tl.dot(x, y)
 
 
 @triton.jit
@@ -156,6 +174,7 @@ def _skinny_gemm_kernel(
     stride_am,
     stride_bn,
     stride_om,
+    SCALED: tl.constexpr,
     A_PER_TOKEN: tl.constexpr,
     B_PER_CHANNEL: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -165,6 +184,7 @@ def _skinny_gemm_kernel(
     EARLY_TILE: tl.constexpr,
     SPLIT: tl.constexpr,
     SNAP: tl.constexpr,
+    UPCAST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -187,17 +207,19 @@ def _skinny_gemm_kernel(
         a_ptrs -= BLOCK_K
         b_ptrs -= BLOCK_K
         offs_k -= BLOCK_K
-    if B_PER_CHANNEL:
-        b_scale = tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
-    else:
-        b_scale = tl.load(b_scale_ptr)
+    if SCALED:  # e4m3 operands; bf16 ones have no scales
+        if B_PER_CHANNEL:
+            b_scale = tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
+        else:
+            b_scale = tl.load(b_scale_ptr)
     pdl_wait(PDL, False)
     if EARLY_TILE:
         a_first = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-    if A_PER_TOKEN:
-        a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
-    else:
-        a_scale = tl.load(a_scale_ptr)
+    if SCALED:
+        if A_PER_TOKEN:
+            a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
+        else:
+            a_scale = tl.load(a_scale_ptr)
     if SWAP_AB:
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -211,17 +233,18 @@ def _skinny_gemm_kernel(
         b = tl.load(b_ptrs, mask=(offs_n[:, None] < N) & in_k, other=0.0)
         if SWAP_AB:
             # out^T = B @ A^T: the weight tile is the MMA's M side (>= 64 rows: Hopper's wgmma, which
-            # reads e4m3 straight from shared memory), the few tokens its N side.
-            acc_t += tl.dot(b, tl.trans(a))
+            # reads e4m3 and bf16 straight from shared memory), the few tokens its N side.
+            acc_t += _tile_dot(b, tl.trans(a), UPCAST)
         else:
-            acc += tl.dot(a, tl.trans(b))
+            acc += _tile_dot(a, tl.trans(b), UPCAST)
     if SWAP_AB:
         if EARLY_TILE:
-            acc_t += tl.dot(b_first, tl.trans(a_first))
+            acc_t += _tile_dot(b_first, tl.trans(a_first), UPCAST)
         acc = tl.trans(acc_t)
     elif EARLY_TILE:
-        acc += tl.dot(a_first, tl.trans(b_first))
-    acc = acc * a_scale * b_scale
+        acc += _tile_dot(a_first, tl.trans(b_first), UPCAST)
+    if SCALED:
+        acc = acc * a_scale * b_scale
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     if not SPLIT:
@@ -288,29 +311,38 @@ def _check(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: tor
         )
 
 
-def skinny_fp8_gemm(
+def _check_bf16(a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
+        raise ValueError(f"bf16_gemm takes bfloat16 operands, got {a.dtype} and {b.dtype}")
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"bf16_gemm needs A [M, K] and B [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("bf16_gemm needs A and B contiguous along K")
+
+
+def _skinny_gemm(
     a: torch.Tensor,
-    a_scale: torch.Tensor,
     b: torch.Tensor,
-    b_scale: torch.Tensor,
-    config: GemmConfig | None = None,
+    a_scale: torch.Tensor | None,
+    b_scale: torch.Tensor | None,
+    config: GemmConfig | None,
 ) -> torch.Tensor:
-    """The Triton kernel for M <= 64 (see the module docstring); `config` overrides the tuned one."""
-    _check(a, a_scale, b, b_scale)
+    """Launch the kernel on checked operands: e4m3 with their scales, or bf16 with None for both."""
     (m, k), n = a.shape, b.shape[0]
     if m > MAX_M:
-        raise ValueError(f"skinny_fp8_gemm handles M <= {MAX_M}, got M={m}: use fp8_gemm")
-    cfg = config or config_for(m, n, k, a.device)
+        raise ValueError(f"the skinny GEMM handles M <= {MAX_M}, got M={m}: use fp8_gemm or bf16_gemm")
+    cfg = config or config_for(m, n, k, a.device, a.dtype)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
     tiles = triton.cdiv(n, cfg.block_n)
     partial = split_workspace(a.device, (splits - 1) * m * n) if splits > 1 else out
+    scaled = a_scale is not None and b_scale is not None
     _skinny_gemm_kernel[(tiles, splits)](
         a,
         b,
-        a_scale,
-        b_scale,
+        a_scale if scaled else a,  # unread without scales
+        b_scale if scaled else b,
         out,
         partial,
         m,
@@ -320,8 +352,9 @@ def skinny_fp8_gemm(
         a.stride(0),
         b.stride(0),
         out.stride(0),
-        A_PER_TOKEN=a_scale.numel() > 1,
-        B_PER_CHANNEL=b_scale.numel() > 1,
+        SCALED=scaled,
+        A_PER_TOKEN=scaled and a_scale.numel() > 1,
+        B_PER_CHANNEL=scaled and b_scale.numel() > 1,
         BLOCK_M=m_bucket(m),
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -329,12 +362,35 @@ def skinny_fp8_gemm(
         EARLY_TILE=int(cfg.early_tile),
         SPLIT=splits > 1,
         SNAP=INTERPRETED,
+        UPCAST=INTERPRETED and not scaled,
         PDL=pdl_for(a.device),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         **launch_options(a.device),
     )
     return out
+
+
+def skinny_fp8_gemm(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    b: torch.Tensor,
+    b_scale: torch.Tensor,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """The Triton kernel for M <= 64 (see the module docstring); `config` overrides the tuned one."""
+    _check(a, a_scale, b, b_scale)
+    if a.shape[0] > MAX_M:
+        raise ValueError(f"skinny_fp8_gemm handles M <= {MAX_M}, got M={a.shape[0]}: use fp8_gemm")
+    return _skinny_gemm(a, b, a_scale, b_scale, config)
+
+
+def skinny_bf16_gemm(a: torch.Tensor, b: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
+    """The Triton kernel on bf16 operands, A [M <= 64, K] @ B [N, K]^T; `config` overrides the tuned one."""
+    _check_bf16(a, b)
+    if a.shape[0] > MAX_M:
+        raise ValueError(f"skinny_bf16_gemm handles M <= {MAX_M}, got M={a.shape[0]}: use bf16_gemm")
+    return _skinny_gemm(a, b, None, None, config)
 
 
 @torch.library.custom_op("weft::fp8_gemm", mutates_args=())
@@ -374,3 +430,22 @@ def fp8_gemm_reference(
 ) -> torch.Tensor:
     a_scale, b_scale = a_scale.float().reshape(-1, 1), b_scale.float().reshape(1, -1)
     return ((a.float() @ b.float().t()) * a_scale * b_scale).to(torch.bfloat16)
+
+
+@torch.library.custom_op("weft::bf16_gemm", mutates_args=())
+def bf16_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """bf16 [M, N] = A [M, K] @ B [N, K]^T (F.linear without bias): weft's kernel up to M = 64, then
+    F.linear (cuBLAS on GPU)."""
+    _check_bf16(a, b)
+    if a.shape[0] <= MAX_M:
+        return skinny_bf16_gemm(a, b)
+    return F.linear(a, b)
+
+
+@bf16_gemm.register_fake
+def _(a, b):
+    return a.new_empty(a.shape[0], b.shape[0])
+
+
+def bf16_gemm_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.float() @ b.float().t()).to(torch.bfloat16)

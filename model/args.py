@@ -39,6 +39,10 @@ class ModelArgs:
     init_std: float = 0.02
     # Decode only: run linear layers on FP8 weights (per-channel scales) with weft's FP8 kernels.
     fp8: bool = False
+    # Decode only (serve.py), bf16 on a CUDA GPU: run every linear layer on weft's skinny GEMM, the
+    # projections that read the same input fused (wq|wk|wv, w1|w3), and the norms and SwiGLU on fused
+    # kernels (model/decode.py); false: the stock PyTorch modules (cuBLAS).
+    decode_kernels: bool = True
 
     @property
     def head_dim(self) -> int:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from model.args import ModelArgs, RopeScaling
@@ -34,7 +34,7 @@ FORMAT_VERSION = 1
 STEP_PREFIX = "step_"
 # Model args that do not change what the saved weights mean: a name, how weights are initialised, and
 # how they are run.
-NOT_COMPARED = ("name", "init_std", "fp8")
+NOT_COMPARED = ("name", "init_std", "fp8", "decode_kernels")
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,52 @@ def read_tensors(file: Path) -> dict[str, torch.Tensor]:
         return load_file(str(file))
     except (OSError, SafetensorError) as err:
         raise UnreadableCheckpoint(f"cannot read {file}: {err} (truncated or corrupt?)") from None
+
+
+def open_safetensors(file: Path) -> Any:
+    """A safetensors file opened for reading tensor by tensor, or UnreadableCheckpoint naming it."""
+    try:
+        return safe_open(str(file), framework="pt")
+    except (OSError, SafetensorError) as err:
+        raise UnreadableCheckpoint(f"cannot read {file}: {err} (truncated or corrupt?)") from None
+
+
+def tensor_names(file: Path) -> list[str]:
+    """The names of the tensors a safetensors file holds (its header only is read)."""
+    names: list[str] = open_safetensors(file).keys()
+    return names
+
+
+class LazyTensors:
+    """Named tensors of safetensors files, read one at a time onto the CPU (the files are memory-mapped),
+    so that a model larger than host memory loads tensor by tensor. `sources` maps each name to (file,
+    the tensor's name in that file); `transforms` rewrites a named tensor as it is read."""
+
+    def __init__(
+        self,
+        sources: dict[str, tuple[Path, str]],
+        transforms: dict[str, Callable[[torch.Tensor], torch.Tensor]] | None = None,
+    ) -> None:
+        self.sources = sources
+        self.transforms = transforms or {}
+        self._files = {file: open_safetensors(file) for file, _ in sources.values()}
+        self.shapes = {
+            name: tuple(self._files[file].get_slice(key).get_shape()) for name, (file, key) in sources.items()
+        }
+
+    @classmethod
+    def of_file(cls, file: Path) -> LazyTensors:
+        """Every tensor of `file` under its own name."""
+        return cls({key: (file, key) for key in tensor_names(file)})
+
+    def read(self, name: str) -> torch.Tensor:
+        file, key = self.sources[name]
+        tensor = self._files[file].get_tensor(key)
+        transform = self.transforms.get(name)
+        return tensor if transform is None else transform(tensor)
+
+    def read_all(self) -> dict[str, torch.Tensor]:
+        return {name: self.read(name) for name in self.sources}
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -185,15 +231,15 @@ def load_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     return read_tensors(Path(path) / "model.safetensors")
 
 
-def state_mismatch(expected: dict[str, tuple[int, ...]], state: dict[str, torch.Tensor]) -> str | None:
-    """None when `state` has exactly the `expected` names and shapes, else the first few missing,
-    unexpected and mis-shaped names (with both shapes) on one line."""
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
+def state_mismatch(expected: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """None when `shapes` (a state's tensor names and shapes) has exactly the `expected` names and
+    shapes, else the first few missing, unexpected and mis-shaped names (with both shapes) on one line."""
+    missing = sorted(set(expected) - set(shapes))
+    unexpected = sorted(set(shapes) - set(expected))
     wrong = sorted(
-        f"{k} {tuple(state[k].shape)} vs {tuple(expected[k])}"
-        for k in set(expected) & set(state)
-        if tuple(state[k].shape) != tuple(expected[k])
+        f"{k} {tuple(shapes[k])} vs {tuple(expected[k])}"
+        for k in set(expected) & set(shapes)
+        if tuple(shapes[k]) != tuple(expected[k])
     )
     problems = (("missing", missing), ("unexpected", unexpected), ("mis-shaped", wrong))
     details = "; ".join(f"{label}: {', '.join(names[:4])}" for label, names in problems if names)
@@ -203,7 +249,9 @@ def state_mismatch(expected: dict[str, tuple[int, ...]], state: dict[str, torch.
 def copy_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Copy `state` into the model's tensors, after checking that names and shapes match exactly."""
     own = model_state(model)
-    details = state_mismatch({k: tuple(v.shape) for k, v in own.items()}, state)
+    details = state_mismatch(
+        {k: tuple(v.shape) for k, v in own.items()}, {k: tuple(v.shape) for k, v in state.items()}
+    )
     if details is not None:
         raise ValueError(f"checkpoint {source} does not fit the model ({details}): check the model preset")
     targets = model.state_dict()

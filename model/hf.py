@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from model.args import ModelArgs, RopeScaling
-from model.checkpoint import read_tensors, state_mismatch
+from model.checkpoint import LazyTensors, state_mismatch, tensor_names
 from model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, read_json, save_tokenizer
 
 LAYER_NAMES = {
@@ -107,9 +107,10 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_state(state: dict[str, torch.Tensor], args: ModelArgs, problem: str, remedy: str) -> None:
-    """One-line ValueError naming the first missing, unexpected or mis-shaped tensors."""
-    details = state_mismatch(expected_shapes(args), state)
+def check_state(shapes: dict[str, tuple[int, ...]], args: ModelArgs, problem: str, remedy: str) -> None:
+    """One-line ValueError naming the first missing, unexpected or mis-shaped tensors of a state (its
+    names and shapes)."""
+    details = state_mismatch(expected_shapes(args), shapes)
     if details is not None:
         raise ValueError(f"{problem} ({details}): {remedy}")
 
@@ -125,55 +126,68 @@ def interleaved_to_rotate_half(weight: torch.Tensor, n_heads: int) -> torch.Tens
     return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def safetensors_files(path: Path) -> list[Path]:
+    """The safetensors files of a Hugging Face directory: those its index lists, or model.safetensors."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     elif (path / "model.safetensors").is_file():
-        files = ["model.safetensors"]
+        names = ["model.safetensors"]
     else:
         raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
+    for name in names:
         if not (path / name).is_file():
             raise FileNotFoundError(
                 f"{path / name}, listed in the index, is missing: re-download the checkpoint"
             )
-        state.update(read_tensors(path / name))
-    return state
+    return [path / name for name in names]
 
 
-def load_hf_checkpoint(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    """(model args, weft state dict) of a Hugging Face Llama directory: names mapped, q/k rows put back
-    in weft's interleaved rotary order, every tensor checked against the config's shapes."""
+def open_hf_checkpoint(path: str | Path) -> tuple[ModelArgs, LazyTensors]:
+    """(model args, the weights under weft's names, read tensor by tensor) of a Hugging Face Llama
+    directory: q/k rows are put back in weft's interleaved rotary order as they are read, and every
+    tensor's name and shape is checked against the config before any is read."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: give a Hugging Face model directory")
     args = args_from_hf_config(json.loads((path / "config.json").read_text()))
-    state, unknown = {}, []
-    for name, tensor in read_safetensors(path).items():
-        if name.endswith("rotary_emb.inv_freq"):
-            continue
-        ours = weft_name(name)
-        if ours is None:
-            unknown.append(name)
-        else:
-            state[ours] = tensor
+    sources, unknown = {}, []
+    for file in safetensors_files(path):
+        for name in tensor_names(file):
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            ours = weft_name(name)
+            if ours is None:
+                unknown.append(name)
+            else:
+                sources[ours] = (file, name)
     if unknown:
         raise ValueError(
             f"{path} holds tensors a Llama does not have ({', '.join(sorted(unknown)[:4])}): "
             "is this a plain Llama checkpoint?"
         )
     if args.tie_embeddings:
-        state.pop("output.weight", None)  # some tied checkpoints store lm_head anyway
-    check_state(
-        state, args, f"{path} does not match its config.json", "the checkpoint is incomplete or not a Llama"
-    )
+        sources.pop("output.weight", None)  # some tied checkpoints store lm_head anyway
+    transforms = {}
     for i in range(args.n_layers):
-        q, k = f"layers.{i}.attention.wq.weight", f"layers.{i}.attention.wk.weight"
-        state[q] = rotate_half_to_interleaved(state[q], args.n_heads)
-        state[k] = rotate_half_to_interleaved(state[k], args.n_kv_heads)
-    return args, state
+        transforms[f"layers.{i}.attention.wq.weight"] = lambda w: rotate_half_to_interleaved(w, args.n_heads)
+        transforms[f"layers.{i}.attention.wk.weight"] = lambda w: rotate_half_to_interleaved(
+            w, args.n_kv_heads
+        )
+    weights = LazyTensors(sources, transforms)
+    check_state(
+        weights.shapes,
+        args,
+        f"{path} does not match its config.json",
+        "the checkpoint is incomplete or not a Llama",
+    )
+    return args, weights
+
+
+def load_hf_checkpoint(path: str | Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """(model args, weft state dict) of a Hugging Face Llama directory (see open_hf_checkpoint)."""
+    args, weights = open_hf_checkpoint(path)
+    return args, weights.read_all()
 
 
 def weft_name(hf_name: str) -> str | None:
@@ -259,7 +273,12 @@ def export_hf(
         state = dict(model_or_state_dict)
     if args.tie_embeddings:
         state.pop("output.weight", None)
-    check_state(state, args, "the weights to export do not fit `args`", "pass the model's own args")
+    check_state(
+        {name: tuple(t.shape) for name, t in state.items()},
+        args,
+        "the weights to export do not fit `args`",
+        "pass the model's own args",
+    )
     tensors = {}
     for name, tensor in state.items():
         if name.endswith("attention.wq.weight"):

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from model.args import ModelArgs
-from model.checkpoint import copy_state_into, latest_checkpoint, load_model_state, read_model_args
-from model.hf import args_from_hf_config, is_hf_checkpoint, load_hf_checkpoint
+from model.checkpoint import LazyTensors, copy_state_into, latest_checkpoint, read_model_args
+from model.hf import args_from_hf_config, is_hf_checkpoint, open_hf_checkpoint
 from model.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -40,18 +40,26 @@ def checkpoint_args(path: Path) -> ModelArgs:
 
 def resolve_init_weights(init_from: str | None, args: ModelArgs) -> tuple[Path | None, ModelArgs]:
     """(checkpoint directory or None, the model args to build): a checkpoint's own shape replaces the
-    configured preset; only `fp8`, a choice of how to run the weights, is kept from the config."""
+    configured preset; only `fp8` and `decode_kernels`, choices of how to run the weights, are kept
+    from the config."""
     if init_from is None:
         return None, args
     path = resolve_checkpoint(init_from)
     loaded = checkpoint_args(path)
-    loaded.fp8 = args.fp8
+    loaded.fp8, loaded.decode_kernels = args.fp8, args.decode_kernels
     return path, loaded
+
+
+def open_weights(path: Path) -> LazyTensors:
+    """A resolved checkpoint's weights under weft's names, read one tensor at a time (on the CPU)."""
+    if is_hf_checkpoint(path):
+        return open_hf_checkpoint(path)[1]
+    return LazyTensors.of_file(path / "model.safetensors")
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     """A resolved checkpoint's full weights under weft's names (on the CPU)."""
-    return load_hf_checkpoint(path)[1] if is_hf_checkpoint(path) else load_model_state(path)
+    return open_weights(path).read_all()
 
 
 def load_weights_into(model: torch.nn.Module, path: Path) -> None:

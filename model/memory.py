@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from configs.schema import TrainingConfig
 from model.args import ModelArgs
+from model.fp8 import QUANTIZE_BYTES_PER_ELEMENT, QUANTIZE_SLICE_ELEMENTS
 from parallel.mesh import ParallelDims
 
 GIB = 2**30
@@ -82,22 +83,33 @@ def training_memory(
 def serving_memory(
     args: ModelArgs, tp: int, dtype: str, batch: int, prompt_len: int, cache_len: int
 ) -> MemoryEstimate:
-    """A decoding rank's peak: its slice of the weights in `dtype` as serve.py materialises them (before
-    model.fp8 quantizes them block by block), then the resident (or FP8) weights with the static KV
-    cache and the prefill's full-vocabulary logits."""
+    """A decoding rank's peak: its slice of the weights in `dtype` with the static KV cache and the
+    prefill's full-vocabulary logits. With model.fp8 the linear weights hold one byte each (the embedding
+    stays in `dtype`), and the peak may come earlier, while serve.py quantizes the model block by block:
+    the FP8 weights, one block or the output projection still in `dtype` (under tensor parallelism also
+    the full tensor each rank draws its random slice from) and one slice being quantized."""
     params = args.num_params() / tp
     element = getattr(torch, dtype).itemsize
-    loading = element * params
-    if args.fp8:  # linear layers hold one byte per weight; the embedding stays bf16
-        embedding = args.vocab_size * args.dim / tp
-        resident = (params - embedding) + 2 * embedding
-    else:
-        resident = element * params
     kv_cache = 2 * args.n_layers * batch * (args.n_kv_heads // tp) * args.head_dim * cache_len * element
     prefill = batch * prompt_len * (args.vocab_size * element + 3 * args.ffn_hidden // tp * element)
-    if loading >= resident + kv_cache + prefill:
-        return MemoryEstimate({f"weights while loading ({dtype})": loading})
-    return MemoryEstimate({"weights": resident, "KV cache": kv_cache, "prefill": prefill})
+    if not args.fp8:
+        return MemoryEstimate({"weights": element * params, "KV cache": kv_cache, "prefill": prefill})
+    table = args.vocab_size * args.dim
+    embedding = table / tp
+    norms = (2 * args.n_layers + 1) * args.dim
+    # One byte per linear weight (a tied output projection gets an FP8 copy of the embedding); the
+    # embedding and the norms stay in `dtype`.
+    linear = args.n_layers * args._layer_matmul_params() / tp + embedding
+    weights = linear + element * (embedding + norms)
+    block = args._layer_matmul_params() / tp + 2 * args.dim
+    drawn_in_full = table if tp > 1 else 0
+    # The largest weight quantized at once: [w1|w3], [wq|wk|wv] or the output projection.
+    largest = max(2 * args.ffn_hidden, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, args.vocab_size)
+    quantizing = QUANTIZE_BYTES_PER_ELEMENT * min(QUANTIZE_SLICE_ELEMENTS, largest * args.dim / tp)
+    loading = element * (max(block, embedding) + drawn_in_full) + quantizing
+    if loading >= kv_cache + prefill:
+        return MemoryEstimate({"weights": weights, f"one block in {dtype} while quantizing": loading})
+    return MemoryEstimate({"weights": weights, "KV cache": kv_cache, "prefill": prefill})
 
 
 def available_memory(device: torch.device) -> float | None:

@@ -4,14 +4,17 @@ Saving gathers every tensor to its full (tp = 1, unsharded) shape: FSDP shards w
 an all-gather over dp, tensor-parallel shards with an all-gather over tp along the dimension the plan
 recorded. A checkpoint written at tp = 2 is therefore byte-for-byte the kind written at tp = 1 and
 loads at any tp; so do Hugging Face directories. Loading reads the full tensors on every rank and
-keeps each rank's slice (simple and correct; it needs host memory for one full copy per rank, and a
-sharded reader, e.g. torch.distributed.checkpoint, would replace it for the largest models).
+keeps each rank's slice: `materialize` (a model's first weights: serving, train.py's init_from) one
+tensor at a time from the memory-mapped files; resuming training (`load_parallel_checkpoint`) the whole
+state at once, needing host memory for one full copy per rank (a sharded reader, e.g.
+torch.distributed.checkpoint, would replace it for the largest models).
 
 Every rank must call these functions (they communicate); only rank 0 needs to write the result.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from model.checkpoint import state_mismatch
 from parallel.comm import all_gather
 
 
@@ -115,6 +119,18 @@ def load_full_model_state(
         _copy_into(target, _slice(full[name], name, state))
 
 
+def _draw(target: torch.Tensor, name: str, state, init: Callable[[torch.Tensor], object]) -> None:
+    """Draw a weight by its initialiser: at its full (unsharded) shape on its device, this rank keeping
+    its slice, so that every layout gets the unsharded model's weights; a plain model draws in place."""
+    if state is None:
+        init(target)
+        return
+    local = target.to_local() if hasattr(target, "to_local") else target
+    full = local.new_empty(_full_shape(target, name, state))
+    init(full)
+    _copy_into(target, _slice(full, name, state))
+
+
 @torch.no_grad()
 def init_parallel_weights(model: nn.Module) -> None:
     """Llama.init_weights for a parallelized model (after `to_empty`): each weight is drawn at its full
@@ -127,35 +143,73 @@ def init_parallel_weights(model: nn.Module) -> None:
     model.rope = rope_table(model.args, device=model.rope.device)
     if model.args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # to_empty() untied them
-    targets = model.state_dict()
     for name, init in init_plan(model.args):
-        target = targets[name]
-        local = target.to_local() if hasattr(target, "to_local") else target
-        full = local.new_empty(_full_shape(target, name, state))
-        init(full)
-        _copy_into(target, _slice(full, name, state))
+        _draw(model.get_parameter(name), name, state, init)
 
 
+def _owner(name: str) -> str:
+    """The module a weight is materialised with: its block ('layers.3') or a top-level module."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" else parts[0]
+
+
+@torch.no_grad()
 def materialize(
-    model: nn.Module, device: torch.device, checkpoint: Path | None = None, dtype: torch.dtype | None = None
+    model: nn.Module,
+    device: torch.device,
+    checkpoint: Path | None = None,
+    dtype: torch.dtype | None = None,
+    block_done: Callable[[int], None] | None = None,
 ) -> None:
-    """Storage and weights for a model built on the meta device, parallelized there or not: random
-    weights by model.llama.init_plan (a parallelized model keeps its slices of the unsharded model's),
-    then a checkpoint's (model/loading.py resolves the path) if one is given. Each rank only ever holds
-    its own shards plus one full tensor at a time."""
-    from model.loading import load_weights_into, read_weights
+    """Storage and weights for a model built on the meta device, parallelized there or not: a
+    checkpoint's weights (model/loading.py resolves the path; read one tensor at a time, each rank
+    keeping its slices), or random ones drawn by model.llama.init_plan (a parallelized model keeps its
+    slices of the unsharded model's). Each rank only ever holds its own shards plus one full tensor.
 
+    With `block_done`, the model is materialised module by module in the plan's order (the embedding,
+    each block, the final norm, the output projection) and `block_done(i)` is called once block i has
+    its weights, before the next block gets storage: it may replace model.layers[i] (serve.py quantizes
+    it to FP8), so that the whole model never exists in `dtype` at once. The random weights are the
+    same either way (drawn in the same order on the same device)."""
+    from model.llama import init_plan, rope_table
+    from model.loading import open_weights
+
+    state = _state(model)
+    plan = init_plan(model.args)
+    weights = None
+    if checkpoint is not None:  # names and shapes checked before any memory is allocated
+        weights = open_weights(checkpoint)
+        expected = {name: _full_shape(model.get_parameter(name), name, state) for name, _ in plan}
+        details = state_mismatch(expected, weights.shapes)
+        if details is not None:
+            raise ValueError(
+                f"checkpoint {checkpoint} does not fit the model ({details}): check the model preset"
+            )
     if dtype is not None:  # cast on the meta device: the weights are allocated in `dtype` directly
         model.to(dtype)
-    model.to_empty(device=device)
-    if _state(model) is None:
-        model.init_weights()
-        if checkpoint is not None:
-            load_weights_into(model, checkpoint)
-        return
-    init_parallel_weights(model)
-    if checkpoint is not None:
-        load_full_model_state(model, read_weights(checkpoint), source=str(checkpoint))
+    if block_done is None:
+        model.to_empty(device=device)
+    model.rope = rope_table(model.args, device=device)
+    by_owner: dict[str, list[tuple[str, Callable[[torch.Tensor], object]]]] = {}
+    for name, init in plan:
+        by_owner.setdefault(_owner(name), []).append((name, init))
+    for owner, entries in by_owner.items():
+        if block_done is not None:
+            model.get_submodule(owner).to_empty(device=device)
+        if owner == "tok_embeddings" and model.args.tie_embeddings:
+            model.output.weight = model.tok_embeddings.weight  # to_empty() gave each its own
+        for name, init in entries:
+            target = model.get_parameter(name)
+            if weights is None:
+                _draw(target, name, state, init)
+            else:
+                _copy_into(target, _slice(weights.read(name), name, state))
+        if block_done is not None and owner.startswith("layers."):
+            block_done(int(owner.removeprefix("layers.")))
+    # (On the meta device itself, a dry run that builds the shapes only, everything stays meta.)
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left and torch.device(device).type != "meta":
+        raise RuntimeError(f"model.llama.init_plan gives no value to {', '.join(left[:4])}")
 
 
 def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:

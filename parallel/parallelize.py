@@ -228,27 +228,38 @@ def parallelize_llama(model: Llama, mesh: DeviceMesh, cfg: ParallelizeConfig | N
     return model
 
 
-def fp8_decode_hooks(model: Llama) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """model.fp8.convert_to_fp8's hooks for a model planned for tensor-parallel decode: the all-reduce
-    of the row-parallel outputs and the all-gather of the vocabulary-sharded logits, as the registered
-    ops of the tp comm path (capturable in CUDA graphs), and the per-channel amax of the row-parallel
-    weights over the ranks. None needed without tensor parallelism."""
+def decode_hooks(model: Llama) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """model.decode.convert_for_decode's hooks for a model planned for tensor-parallel decode: the
+    all-reduce of the row-parallel outputs and the all-gather of the vocabulary-sharded logits, as the
+    registered ops of the tp comm path (capturable in CUDA graphs). None needed without tensor
+    parallelism."""
     state: ParallelState | None = getattr(model, "parallel", None)
     if state is None or state.tp_ctx is None:
         return {}
     if state.tp_ctx.sequence_parallel:
-        raise ValueError("FP8 decode runs on the decode plan: parallelize with sequence_parallel=False")
-    name, group = state.tp_ctx.comm.group_name, state.tp_ctx.comm.group
+        raise ValueError(
+            "weft's decode kernels run on the decode plan: parallelize with sequence_parallel=False"
+        )
+    name = state.tp_ctx.comm.group_name
+    return {
+        "reduce": lambda x: torch.ops.weft.tp_all_reduce(x, name),
+        "gather_logits": lambda x: torch.ops.weft.tp_all_gather(x, x.dim() - 1, name),
+    }
+
+
+def fp8_decode_hooks(model: Llama) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """model.fp8.convert_to_fp8's hooks: decode_hooks, and the per-channel amax of the row-parallel
+    weights over the ranks (so that each shard is quantized as the unsplit weight is)."""
+    hooks = decode_hooks(model)
+    if not hooks:
+        return {}
+    group = model.parallel.tp_ctx.comm.group
 
     def channel_amax(amax: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)  # once, at conversion: no graph
         return amax
 
-    return {
-        "reduce": lambda x: torch.ops.weft.tp_all_reduce(x, name),
-        "gather_logits": lambda x: torch.ops.weft.tp_all_gather(x, x.dim() - 1, name),
-        "channel_amax": channel_amax,
-    }
+    return {**hooks, "channel_amax": channel_amax}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -25,3 +25,19 @@ def test_decode_attention_benchmark_smoke_run() -> None:
     for row in rows:
         for key in ("ours_us", "ours_no_pdl_us", "eager_us", "compile_us", "floor_us"):
             assert row[key] > 0 and torch.isfinite(torch.tensor(row[key])), (key, row)
+
+
+def test_bf16_gemm_benchmark_shapes_come_from_the_presets() -> None:
+    """bench_bf16_gemm times the fused weights serve.py's bf16 decode path reads, per preset."""
+    from benchmarks.bench_bf16_gemm import decode_gemms
+
+    layers, gemms = decode_gemms("llama3_8b")
+    assert layers == 32
+    assert gemms == [
+        ("wqkv", 6144, 4096),
+        ("wo", 4096, 4096),
+        ("w13", 28672, 4096),
+        ("w2", 4096, 14336),
+        ("output", 128256, 4096),
+    ]
+    assert decode_gemms("llama3_70b")[1][2] == ("w13", 57344, 8192)

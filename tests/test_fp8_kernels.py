@@ -1,5 +1,5 @@
 """FP8 decode kernels against their references: fused add + RMSNorm + quantize, SwiGLU + quantize,
-per-token quantize and the skinny FP8 GEMM. Fresh random inputs, ragged sizes, poisoned outputs; on
+per-token quantize and the skinny GEMM (FP8 and bf16). Fresh random inputs, ragged sizes, poisoned outputs; on
 CPU through Triton's interpreter, on a GPU natively."""
 
 import weakref
@@ -9,7 +9,15 @@ import torch
 
 from kernels import fp8_gemm as gemm_module
 from kernels.fp8 import FP8, dequantize, quantize_per_token, quantize_reference, quantize_weight_per_channel
-from kernels.fp8_gemm import GemmConfig, fp8_gemm, fp8_gemm_reference, skinny_fp8_gemm
+from kernels.fp8_gemm import (
+    GemmConfig,
+    bf16_gemm,
+    bf16_gemm_reference,
+    fp8_gemm,
+    fp8_gemm_reference,
+    skinny_bf16_gemm,
+    skinny_fp8_gemm,
+)
 from kernels.fp8_norm import (
     add_rmsnorm,
     add_rmsnorm_fp8,
@@ -167,27 +175,93 @@ def test_skinny_gemm_long_positive_sums(
     assert rel_err(out, fp8_gemm_reference(a, a_scale, b, b_scale)) < 4e-3
 
 
+BF16_GEMM_SHAPES = [(96, 256), (200, 320), (72, 1000), (130, 77)]
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 64])
+@pytest.mark.parametrize(("n", "k"), BF16_GEMM_SHAPES)
+@pytest.mark.parametrize("split_k", [None, 1, 3])
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_skinny_bf16_gemm(poisoned: None, m: int, n: int, k: int, split_k: int | None, swap_ab: bool) -> None:
+    """The same kernel without scales on bf16 operands: ragged N and K (K = 77 is shorter than one
+    tile), split-K on and off, both tile orientations."""
+    if split_k is None and swap_ab:
+        pytest.skip("the tuned/heuristic config has one setting of swap_ab")
+    a, b = bf16(m, k), bf16(n, k, scale=0.05)
+    config = GemmConfig(64 if swap_ab else 32, 64, split_k, swap_ab=swap_ab) if split_k else None
+    out = skinny_bf16_gemm(a, b, config)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert rel_err(out, bf16_gemm_reference(a, b)) < 1e-2
+
+
+@pytest.mark.parametrize(("m", "n", "k", "split_k"), [(1, 96, 1000, 2), (16, 72, 1000, 3)])
+def test_skinny_bf16_gemm_without_early_tile(poisoned: None, m: int, n: int, k: int, split_k: int) -> None:
+    a, b = bf16(m, k), bf16(n, k, scale=0.05)
+    config = GemmConfig(64, 64, split_k, num_stages=5, swap_ab=True, early_tile=False)
+    assert rel_err(skinny_bf16_gemm(a, b, config), bf16_gemm_reference(a, b)) < 1e-2
+
+
+def test_bf16_gemm_op_hands_large_m_to_linear(poisoned: None) -> None:
+    """bf16_gemm: the skinny kernel up to M = 64 (its heuristic config: half the e4m3 block_k), then
+    F.linear; the split-K workspace is left EMPTY."""
+    a, b = bf16(70, 300), bf16(136, 300, scale=0.05)
+    ref = bf16_gemm_reference(a, b)
+    assert rel_err(bf16_gemm(a[:64], b), ref[:64]) < 1e-2
+    assert rel_err(bf16_gemm(a, b), ref) < 1e-2
+    assert gemm_module.config_for(1, 136, 300, a.device, torch.bfloat16).block_k == 128
+    workspace = gemm_module.split_workspace(a.device, 0)
+    assert (workspace.view(torch.int32) == gemm_module.EMPTY.value).all()
+
+
+def test_bf16_and_fp8_configs_do_not_collide(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tuned configs are keyed by operand dtype: a bf16 entry never serves e4m3 operands or back."""
+    fp8_cfg, bf16_cfg = GemmConfig(64, 256, 2, swap_ab=True), GemmConfig(64, 128, 3, swap_ab=True)
+    key8, key16 = gemm_module.config_key(1, 4096, 512), gemm_module.config_key(1, 4096, 512, torch.bfloat16)
+    assert key8 != key16
+    monkeypatch.setattr(gemm_module, "TUNED", {gemm_module.REFERENCE_GPU: {key8: fp8_cfg, key16: bf16_cfg}})
+    device = torch.device(DEVICE)
+    assert gemm_module.config_for(1, 4096, 512, device) == fp8_cfg
+    assert gemm_module.config_for(1, 4096, 512, device, torch.bfloat16) == bf16_cfg
+    monkeypatch.setattr(gemm_module, "TUNED", {gemm_module.REFERENCE_GPU: {key16: bf16_cfg}})
+    assert gemm_module.config_for(1, 4096, 512, device) == gemm_module.heuristic_config(1, 4096, 512)
+
+
+@pytest.mark.parametrize(("n", "k", "split"), [(2304, 16384, 3), (4096, 4096, 2), (1280, 8192, 6)])
+def test_bf16_heuristic_keeps_the_tile_bytes(n: int, k: int, split: int) -> None:
+    """bf16 tiles hold the bytes of the e4m3 ones (half the K), and slices at least 2 KiB of a row (so
+    1280 x 8192 splits 6 ways where e4m3 stops at 4)."""
+    cfg = gemm_module.heuristic_config(1, n, k, element_bytes=2)
+    assert cfg.block_k == 128 and cfg.split_k == split and k // cfg.split_k * 2 >= 2048
+
+
 def check_sm90_ptx() -> None:
     """Every tuned GEMM config of the reference GPU, and the heuristic's, compiles for sm_90 with its
     wgmma instructions pipelined (ptxas serializes them if anything reads their accumulators while
     they run, as an early tile promoted inside the MMA chain did: up to 35% slower on H200); swapped
     tiles run on wgmma, and M <= 16 configs without the early tile fit two programs per SM, which is
-    what they are for. Runs without TRITON_INTERPRET (tests/sm90.py)."""
-    names = ("a", "b", "a_scale", "b_scale", "out", "partial")
-    types = ("*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*bf16", "*fp32")
-    signature = {f"{name}_ptr": t for name, t in zip(names, types, strict=True)}
-    signature |= dict.fromkeys(["M", "N", "K", "k_per_split", "stride_am", "stride_bn", "stride_om"], "i32")
+    what they are for. The same for bf16 operands (no scales). Runs without TRITON_INTERPRET
+    (tests/sm90.py)."""
+    ints = ["M", "N", "K", "k_per_split", "stride_am", "stride_bn", "stride_om"]
     aligned = ["a_ptr", "b_ptr", "out_ptr", "partial_ptr", "N", "K", "k_per_split", "stride_am", "stride_bn"]
-    tuned = [
-        (int(key.split(",")[0]), cfg) for key, cfg in gemm_module.TUNED[gemm_module.REFERENCE_GPU].items()
-    ]
-    heuristic = [(gemm_module.m_bucket(m), gemm_module.heuristic_config(m, 2304, 16384)) for m in (1, 64)]
-    cases = dict.fromkeys((m, cfg) for m, cfg in tuned + heuristic)  # each (BLOCK_M, config) once
-    assert any(not cfg.early_tile for _, cfg in cases) and any(cfg.early_tile for _, cfg in cases)
-    for block_m, cfg in cases:
+    cases = {}  # (dtype, BLOCK_M, config), each once
+    for key, cfg in gemm_module.TUNED[gemm_module.REFERENCE_GPU].items():
+        dtype = "bf16" if key.startswith("bf16,") else "fp8"
+        cases[(dtype, int(key.removeprefix("bf16,").split(",")[0]), cfg)] = None
+    for dtype, element_bytes in (("fp8", 1), ("bf16", 2)):
+        for m in (1, 64):
+            cfg = gemm_module.heuristic_config(m, 2304, 16384, element_bytes=element_bytes)
+            cases[(dtype, gemm_module.m_bucket(m), cfg)] = None
+    assert any(not cfg.early_tile for *_, cfg in cases) and any(cfg.early_tile for *_, cfg in cases)
+    for dtype, block_m, cfg in cases:
+        operand, scaled = ("*fp8e4nv", True) if dtype == "fp8" else ("*bf16", False)
+        names = ("a", "b", "a_scale", "b_scale", "out", "partial")
+        types = (operand, operand, "*fp32", "*fp32", "*bf16", "*fp32")
+        signature = {f"{name}_ptr": t for name, t in zip(names, types, strict=True)}
+        signature |= dict.fromkeys(ints, "i32")
         constexprs = dict(
-            A_PER_TOKEN=True,
-            B_PER_CHANNEL=True,
+            SCALED=scaled,
+            A_PER_TOKEN=scaled,
+            B_PER_CHANNEL=scaled,
             BLOCK_M=block_m,
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
@@ -195,6 +269,7 @@ def check_sm90_ptx() -> None:
             EARLY_TILE=int(cfg.early_tile),
             SPLIT=cfg.split_k > 1,
             SNAP=False,
+            UPCAST=False,
             PDL=True,
         )
         compiled = compile_sm90(
@@ -205,11 +280,12 @@ def check_sm90_ptx() -> None:
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
-        assert "serialized" not in ptxas_log(compiled.asm["ptx"]), f"M <= {block_m}, {cfg}: wgmma serialized"
+        where = f"{dtype} M <= {block_m}, {cfg}"
+        assert "serialized" not in ptxas_log(compiled.asm["ptx"]), f"{where}: wgmma serialized"
         if cfg.swap_ab:
-            assert "wgmma.mma_async" in compiled.asm["ptx"], f"M <= {block_m}, {cfg}: no wgmma"
+            assert "wgmma.mma_async" in compiled.asm["ptx"], f"{where}: no wgmma"
         if block_m <= 16 and not cfg.early_tile:
-            assert 2 * compiled.metadata.shared <= MAX_SHARED_BYTES, f"{cfg}: one program per SM"
+            assert 2 * compiled.metadata.shared <= MAX_SHARED_BYTES, f"{where}: one program per SM"
 
 
 def test_gemm_compiles_for_sm90() -> None:
@@ -307,6 +383,12 @@ def test_bad_inputs_fail_clearly() -> None:
     b, b_scale = quantize_weight_per_channel(bf16(32, 64))
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         fp8_gemm(a.float(), a_scale, b, b_scale)
+    with pytest.raises(ValueError, match="bfloat16 operands"):
+        bf16_gemm(bf16(2, 64).float(), bf16(32, 64))
+    with pytest.raises(ValueError, match=r"\[N, K\]"):
+        bf16_gemm(bf16(2, 64), bf16(32, 48))
+    with pytest.raises(ValueError, match="contiguous along K"):
+        bf16_gemm(bf16(2, 64), bf16(64, 32).t())
     with pytest.raises(ValueError, match=r"\[N, K\]"):
         fp8_gemm(a, a_scale, b[:, :32].contiguous(), b_scale)
     with pytest.raises(ValueError, match="per row"):
@@ -401,3 +483,17 @@ def test_gemm_realistic(monkeypatch: pytest.MonkeyPatch, pdl: bool, m: int, n: i
     b_tensor_scale = b_scale.max().reshape(1)
     ref = fp8_gemm_reference(a, a_scale, b, b_tensor_scale)
     assert rel_err(fp8_gemm(a, a_scale, b, b_tensor_scale), ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("m", [1, 8, 16, 64, 100])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (28672, 4096), (1000, 3000)])
+def test_bf16_gemm_realistic(monkeypatch: pytest.MonkeyPatch, pdl: bool, m: int, n: int, k: int) -> None:
+    """bf16_gemm at Llama-3-8B decode shapes (and a ragged one) in a CUDA graph, the skinny kernel up
+    to M = 64 and F.linear beyond."""
+    from kernels import fp8
+
+    monkeypatch.setattr(fp8, "USE_PDL", pdl)
+    a, b = bf16(m, k), bf16(n, k, scale=0.02)
+    assert rel_err(_graph_calls(lambda: bf16_gemm(a, b)), bf16_gemm_reference(a, b)) < 1e-2

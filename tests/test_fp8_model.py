@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from model.args import ModelArgs
-from model.fp8 import Fp8Block, check_fp8_device, convert_to_fp8
+from model.decode import DecodeBlock
+from model.fp8 import Fp8Weight, check_fp8_device, convert_to_fp8
 from model.generate import DecodeStep, prefill
 from model.llama import Llama
 
@@ -34,7 +35,7 @@ def test_fp8_model_tracks_bf16(tie: bool) -> None:
 
     args.fp8 = True
     convert_to_fp8(model)
-    assert all(isinstance(layer, Fp8Block) for layer in model.layers)
+    assert all(isinstance(layer, DecodeBlock) and isinstance(layer.qkv, Fp8Weight) for layer in model.layers)
     model.setup_caches(2, 16)
     got = prefill(model, tokens).float()
     step = model(tokens[:, -1:], torch.tensor([12], device=DEVICE))[:, -1].float()

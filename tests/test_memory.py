@@ -60,11 +60,44 @@ def test_serving_estimate_matches_the_kv_cache() -> None:
     estimate = memory.serving_memory(TINY, 1, "bfloat16", batch=16, prompt_len=8, cache_len=64)
     assert estimate.parts["KV cache"] == cache
     assert estimate.parts["weights"] == weights
-    # In FP8, a large model with a small cache peaks while its bf16 weights are materialised.
+    # In FP8, a large model with a small cache peaks while it is quantized, one bf16 block at a time.
     big = ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, ffn_hidden=14336)
     big.fp8 = True
     loading = memory.serving_memory(big, 2, "bfloat16", batch=1, prompt_len=8, cache_len=64)
-    assert loading.total == 2 * big.num_params() / 2
+    assert list(loading.parts) == ["weights", "one block in bfloat16 while quantizing"]
+    assert loading.total < 2 * big.num_params() / 2  # below this rank's half of the model in bf16
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_fp8_serving_estimate_matches_the_built_model(monkeypatch: pytest.MonkeyPatch, tie: bool) -> None:
+    """The FP8 weights the estimate counts are the bytes serve.build_model allocates for them (e4m3
+    weights, bf16 embedding and norms; the scales are below its precision)."""
+    from tests.test_streamed_build import streamed
+
+    args = ModelArgs(**{**TINY.__dict__, "tie_embeddings": tie, "fp8": True})
+    model, _ = streamed(monkeypatch, args, seed=0)
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if t is not model.rope}
+    allocated = sum(t.numel() * t.element_size() for t in tensors.values())
+    scales = sum(b.numel() * b.element_size() for name, b in model.named_buffers() if name.endswith(".scale"))
+    estimate = memory.serving_memory(args, 1, "bfloat16", batch=1, prompt_len=8, cache_len=64)
+    assert estimate.parts["weights"] == allocated - scales
+
+
+def test_llama3_70b_in_fp8_fits_one_h200_and_in_bf16_not_one_h100(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench_decode's 70B rows: batch 8, prompt 512 + 128 decode steps."""
+    args = OmegaConf.to_object(composed("serve", "model=llama3_70b").model)
+    args.fp8 = True
+    monkeypatch.setattr(memory, "available_memory", lambda device: 139 * GIB)  # an H200's free memory
+    memory.check_serving_fits(args, 1, "bfloat16", 8, 512, 640, torch.device("cuda"))
+    assert 66 * GIB < memory.serving_memory(args, 1, "bfloat16", 8, 512, 640).total < 72 * GIB
+    args.fp8 = False
+    monkeypatch.setattr(memory, "available_memory", lambda device: 79 * GIB)  # an H100's
+    with pytest.raises(ValueError) as caught:
+        memory.check_serving_fits(args, 1, "bfloat16", 8, 512, 640, torch.device("cuda"))
+    message = str(caught.value)
+    assert message.startswith("serving model llama3_70b needs about 134.6 GiB per rank (weights 131.4,")
+    assert "split the model over more GPUs (torchrun --nproc_per_node=N serve.py parallel.tp=N)" in message
+    assert "set model.fp8=true" in message
 
 
 def test_serving_weights_are_allocated_in_the_serving_dtype() -> None:
