@@ -39,9 +39,10 @@ class ModelArgs:
     init_std: float = 0.02
     # Decode only: run linear layers on FP8 weights (per-channel scales) with weft's FP8 kernels.
     fp8: bool = False
-    # Decode only (serve.py), bf16 on a CUDA GPU: run every linear layer on weft's skinny GEMM, the
-    # projections that read the same input fused (wq|wk|wv, w1|w3), and the norms and SwiGLU on fused
-    # kernels (model/decode.py); false: the stock PyTorch modules (cuBLAS).
+    # Decode only (serve.py): attention of each new token in one fused kernel (rotary, KV-cache write,
+    # split-KV attention: kernels/decode_attention.py), and bf16 on a CUDA GPU every linear layer on
+    # weft's skinny GEMM, the projections that read the same input fused (wq|wk|wv, w1|w3), and the
+    # norms and SwiGLU on fused kernels (model/decode.py); false: the stock PyTorch modules (cuBLAS, SDPA).
     decode_kernels: bool = True
 
     @property

@@ -99,6 +99,8 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         # Replaceable by parallel/ (e.g. Ulysses) without touching this module.
         self.attention_fn: AttentionFn = sdpa_attention
+        # Decode steps on kernels.decode_attention (model.decode_kernels) where it runs (_fused_decode).
+        self.fused_decode = args.decode_kernels
         self.kv_cache: KVCache | None = None
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -149,7 +151,8 @@ class Attention(nn.Module):
         """Whether this call takes kernels.decode_attention: one token per sequence over a KV cache, the
         stock attention function (parallel/ may have replaced it), a device and shapes the kernel runs."""
         return (
-            self.kv_cache is not None
+            self.fused_decode
+            and self.kv_cache is not None
             and seqlen == 1
             and self.attention_fn is sdpa_attention
             and fused_decode_supported(q.device, self.kv_cache.k.dtype, self.head_dim)

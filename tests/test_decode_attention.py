@@ -151,7 +151,7 @@ def test_bad_shapes_are_refused_clearly(change: dict[str, int], message: str) ->
             fn(q, k, k.clone(), rope, pos, cache, cache.clone())
 
 
-def tiny_model(n_heads: int = 4, n_kv_heads: int = 2) -> Llama:
+def tiny_model(n_heads: int = 4, n_kv_heads: int = 2, decode_kernels: bool = True) -> Llama:
     args = ModelArgs(
         dim=128,
         n_layers=2,
@@ -160,6 +160,7 @@ def tiny_model(n_heads: int = 4, n_kv_heads: int = 2) -> Llama:
         vocab_size=160,
         ffn_hidden=200,
         max_seq_len=64,
+        decode_kernels=decode_kernels,
     )
     model = Llama(args).to(DEVICE)
     model.init_weights()
@@ -196,11 +197,16 @@ def test_model_greedy_decode_equals_the_stock_path(monkeypatch: pytest.MonkeyPat
     assert torch.equal(fused, stock)
 
 
-def test_replaced_attention_function_keeps_the_stock_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """parallel/ may swap attention_fn (Ulysses): then the model does not take the fused op."""
-    model = tiny_model()
-    for layer in model.layers:
-        layer.attention.attention_fn = lambda q, k, v, mask: llama.sdpa_attention(q, k, v, mask)
+@pytest.mark.parametrize("why", ["attention_fn replaced", "decode_kernels=false"])
+def test_stock_path_where_asked(monkeypatch: pytest.MonkeyPatch, why: str) -> None:
+    """parallel/ may swap attention_fn (Ulysses), and model.decode_kernels=false asks for the stock
+    modules: either way the model does not take the fused op."""
+    if why == "attention_fn replaced":
+        model = tiny_model()
+        for layer in model.layers:
+            layer.attention.attention_fn = lambda q, k, v, mask: llama.sdpa_attention(q, k, v, mask)
+    else:
+        model = tiny_model(decode_kernels=False)
     calls = count_fused_calls(monkeypatch)
     generate(model, torch.randint(0, 160, (1, 5), device=DEVICE), 3, cuda_graph=False)
     assert calls == []
