@@ -2,6 +2,7 @@
 the stock path it replaces, timed as CUDA-graph replays on one GPU.
 
     python -m benchmarks.bench_decode_attention            # Llama-3-8B and 70B heads, batch 1 and 8
+    python -m benchmarks.bench_decode_attention --sweep    # ... and ours at other tile / split settings
     python -m benchmarks.bench_decode_attention --smoke    # one tiny shape, any device (CPU: interpreter)
 
 Each row: one layer's attention at the last slot of a cache of `cache_len` positions (so every path
@@ -11,12 +12,15 @@ torch.compile'd; for FP8 followed by kernels.fp8.quantize_per_token, as the FP8 
 Ours with programmatic dependent launch (as served) and without. floor_us: the layer's KV bytes over
 the measured copy bandwidth (serve.memory_bandwidth: bytes read plus written per second). Caches,
 q/k/v and positions are rotated among copies that together exceed the L2 cache, so every call reads
-the cache from HBM.
+the cache from HBM. --sweep also times ours (bf16 out) at every (BLOCK_N, MIN_POSITIONS_PER_SPLIT,
+SPLIT_PROGRAMS_PER_SM) of SWEEP (decode_attention_sweep-<device>), to choose kernels/decode_attention.py's
+constants by.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -33,6 +37,8 @@ HEADS = {"llama3_8b": (32, 8, 128), "llama3_70b": (64, 8, 128)}
 BATCHES = [1, 8]
 CACHE_LENS = [640, 4096, 32768]
 ROTATE_BYTES = 256 << 20  # several times the 50-60 MB L2
+# (BLOCK_N, MIN_POSITIONS_PER_SPLIT, SPLIT_PROGRAMS_PER_SM) settings --sweep times ours at.
+SWEEP = list(itertools.product([32, 64], [32, 64, 128], [1, 2, 4]))
 
 
 def rotating(fns: list[Callable[[], object]]) -> Callable[[], object]:
@@ -99,18 +105,32 @@ def stock_fp8(attend: Callable[..., torch.Tensor], *args: torch.Tensor) -> tuple
     return quantize_per_token(out.view(out.shape[0], -1))
 
 
-def bench(
-    heads: dict[str, tuple[int, int, int]], batches: list[int], cache_lens: list[int], device: torch.device
-) -> list[dict[str, object]]:
-    """Rows of the table for every (model's heads (Hq, Hkv, D), batch, cache length) and output dtype."""
-    bandwidth = copy_bandwidth(device)
-    compiled = torch.compile(da.decode_attention_reference, dynamic=False, fullgraph=True)
-    rows = []
+Shapes = dict[str, tuple[int, int, int]]  # model name -> (query heads, kv heads, head dim)
+
+
+def cases(heads: Shapes, batches: list[int], cache_lens: list[int], device: torch.device):
+    """(model, batch, cache length, heads, KV bytes, operand sets) of every shape, operands rotated."""
     for model, batch, cache_len in ((m, b, c) for m in heads for b in batches for c in cache_lens):
         n_heads, n_kv_heads, head_dim = heads[model]
         kv_bytes = 2 * batch * n_kv_heads * cache_len * head_dim * 2
         copies = max(2, -(-ROTATE_BYTES // kv_bytes)) if device.type == "cuda" else 1
         sets = operand_sets(batch, n_heads, n_kv_heads, head_dim, cache_len, device, copies)
+        yield model, batch, cache_len, heads[model], kv_bytes, sets
+
+
+def splits_of(batch: int, cache_len: int, heads: tuple[int, int, int], device: torch.device) -> int:
+    n_heads, n_kv_heads, head_dim = heads
+    return da.num_splits(batch, n_kv_heads, n_heads // n_kv_heads, head_dim, cache_len, device)
+
+
+def bench(
+    heads: Shapes, batches: list[int], cache_lens: list[int], device: torch.device
+) -> list[dict[str, object]]:
+    """Rows of the table for every (model's heads, batch, cache length) and output dtype."""
+    bandwidth = copy_bandwidth(device)
+    compiled = torch.compile(da.decode_attention_reference, dynamic=False, fullgraph=True)
+    rows = []
+    for model, batch, cache_len, shape, kv_bytes, sets in cases(heads, batches, cache_lens, device):
         for out in ("bf16", "fp8"):
             ours_fn = partial(da.decode_attention, fp8=out == "fp8")
             stock_eager = da.decode_attention_reference
@@ -131,9 +151,7 @@ def bench(
                     "batch": batch,
                     "cache_len": cache_len,
                     "out": out,
-                    "splits": da.num_splits(
-                        batch, n_kv_heads, n_heads // n_kv_heads, head_dim, cache_len, device
-                    ),
+                    "splits": splits_of(batch, cache_len, shape, device),
                     "ours_us": timings[True],
                     "ours_no_pdl_us": timings[False],
                     "eager_us": eager,
@@ -148,6 +166,45 @@ def bench(
     return rows
 
 
+def sweep(
+    heads: Shapes,
+    batches: list[int],
+    cache_lens: list[int],
+    device: torch.device,
+    settings: list[tuple[int, int, int]],
+) -> list[dict[str, object]]:
+    """Ours (bf16 out, as served) at each (BLOCK_N, MIN_POSITIONS_PER_SPLIT, SPLIT_PROGRAMS_PER_SM)."""
+    bandwidth = copy_bandwidth(device)
+    served = da.BLOCK_N, da.MIN_POSITIONS_PER_SPLIT, da.SPLIT_PROGRAMS_PER_SM
+    rows = []
+    try:
+        for model, batch, cache_len, shape, kv_bytes, sets in cases(heads, batches, cache_lens, device):
+            for block, min_positions, per_sm in settings:
+                da.BLOCK_N, da.MIN_POSITIONS_PER_SPLIT, da.SPLIT_PROGRAMS_PER_SM = (
+                    block,
+                    min_positions,
+                    per_sm,
+                )
+                us = time_us([partial(da.decode_attention, *s) for s in sets], device)
+                rows.append(
+                    {
+                        "model": model,
+                        "batch": batch,
+                        "cache_len": cache_len,
+                        "block_n": block,
+                        "min_positions_per_split": min_positions,
+                        "programs_per_sm": per_sm,
+                        "splits": splits_of(batch, cache_len, shape, device),
+                        "ours_us": us,
+                        "ours_of_floor": kv_bytes / bandwidth * 1e6 / us,
+                    }
+                )
+                print(rows[-1], flush=True)
+    finally:
+        da.BLOCK_N, da.MIN_POSITIONS_PER_SPLIT, da.SPLIT_PROGRAMS_PER_SM = served
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -155,6 +212,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     parser.add_argument("--models", nargs="+", choices=sorted(HEADS), default=sorted(HEADS))
     parser.add_argument("--batch-sizes", nargs="+", type=int, default=BATCHES)
     parser.add_argument("--cache-lens", nargs="+", type=int, default=CACHE_LENS)
+    parser.add_argument(
+        "--sweep", action="store_true", help="also time ours at every setting of SWEEP (a second table)"
+    )
     parser.add_argument(
         "--smoke",
         action="store_true",
@@ -166,7 +226,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if not da.fused_decode_supported(device, torch.bfloat16, 16):
             raise SystemExit("--smoke on the CPU needs TRITON_INTERPRET=1 (Triton's interpreter)")
-        return bench({"tiny": (4, 2, 16)}, [2], [64], device)
+        tiny = {"tiny": (4, 2, 16)}
+        rows = bench(tiny, [2], [64], device)
+        return rows + (sweep(tiny, [2], [64], device, [(16, 8, 2), (32, 64, 1)]) if opts.sweep else [])
     if not torch.cuda.is_available():
         raise SystemExit("bench_decode_attention.py needs a CUDA GPU (--smoke runs anywhere)")
     device = torch.device("cuda", torch.cuda.current_device())
@@ -178,6 +240,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
         "torch.compile'd; floor_us = KV bytes / measured copy bandwidth"
     )
     write_results("decode_attention", rows, notes=note)
+    if opts.sweep:
+        settings = sweep({m: HEADS[m] for m in opts.models}, opts.batch_sizes, opts.cache_lens, device, SWEEP)
+        write_results("decode_attention_sweep", settings, notes=note)
     return rows
 
 

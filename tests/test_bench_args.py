@@ -19,12 +19,17 @@ def test_tune_shapes_parse_and_reject_clearly() -> None:
 
 def test_decode_attention_benchmark_smoke_run() -> None:
     """--smoke runs every path of the benchmark (ours with and without PDL, stock eager and compiled,
-    bf16 and FP8 outputs) at one tiny shape, on CPU through the interpreter."""
-    rows = bench_decode_attention.main(["--smoke"])
-    assert [row["out"] for row in rows] == ["bf16", "fp8"]
-    for row in rows:
+    bf16 and FP8 outputs, the sweep) at one tiny shape, on CPU through the interpreter."""
+    rows = bench_decode_attention.main(["--smoke", "--sweep"])
+    assert [row.get("out") for row in rows] == ["bf16", "fp8", None, None]
+    for row in rows[:2]:
         for key in ("ours_us", "ours_no_pdl_us", "eager_us", "compile_us", "floor_us"):
             assert row[key] > 0 and torch.isfinite(torch.tensor(row[key])), (key, row)
+    # The sweep's settings change the launch (4 "SMs" on CPU, batch 2 x 2 kv heads: 2 programs per SM
+    # give 2 splits, 1 gives 1) and are restored after it.
+    assert [(row["block_n"], row["splits"]) for row in rows[2:]] == [(16, 2), (32, 1)]
+    assert rows[2]["ours_us"] > 0 and rows[3]["ours_us"] > 0
+    assert (bench_decode_attention.da.BLOCK_N, bench_decode_attention.da.MIN_POSITIONS_PER_SPLIT) == (64, 64)
 
 
 def test_bf16_gemm_benchmark_shapes_come_from_the_presets() -> None:
