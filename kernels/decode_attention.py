@@ -359,6 +359,18 @@ def _check(q, k, v, rope, input_pos, k_cache, v_cache) -> None:
         )
     if not rope.is_contiguous():
         raise ValueError("rope must be contiguous")
+    tensors = {
+        "q": q,
+        "k": k,
+        "v": v,
+        "rope": rope,
+        "input_pos": input_pos,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+    }
+    elsewhere = [name for name, t in tensors.items() if t.device != k_cache.device]
+    if elsewhere:
+        raise ValueError(f"{', '.join(elsewhere)} must be on the cache's device {k_cache.device}")
     if input_pos.shape != (1,) or input_pos.dtype != torch.int64:
         raise ValueError(
             f"input_pos must be one int64 position [1] (every sequence at the same position), got "

@@ -132,9 +132,10 @@ def test_split_counts(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"n_heads": 5, "n_kv_heads": 2}, "multiple of key/value heads"),
         ({"seqlen": 2}, "one new token per sequence"),
         ({"positions": 2}, "one int64 position"),
+        ({"pos_device": "meta"}, "input_pos must be on the cache's device"),
     ],
 )
-def test_bad_shapes_are_refused_clearly(change: dict[str, int], message: str) -> None:
+def test_bad_shapes_are_refused_clearly(change: dict[str, int | str], message: str) -> None:
     head_dim, n_heads, n_kv_heads = (
         change.get("head_dim", 16),
         change.get("n_heads", 4),
@@ -144,9 +145,15 @@ def test_bad_shapes_are_refused_clearly(change: dict[str, int], message: str) ->
     q = torch.zeros(batch, seqlen, n_heads * head_dim, dtype=torch.bfloat16)
     k = torch.zeros(batch, 1, n_kv_heads * head_dim, dtype=torch.bfloat16)
     rope = torch.zeros(cache_len, head_dim // 2, 2)
-    pos = torch.zeros(change.get("positions", 1), dtype=torch.long)
+    pos = torch.zeros(change.get("positions", 1), dtype=torch.long, device=change.get("pos_device", "cpu"))
     cache = torch.zeros(batch, n_kv_heads, cache_len, head_dim, dtype=torch.bfloat16)
-    for fn in (decode_attention, decode_attention_reference):
+    # A meta tensor among the inputs sends the op to its fake implementation: the reference runs the
+    # same checks.
+    for fn in (
+        (decode_attention_reference,)
+        if "pos_device" in change
+        else (decode_attention, decode_attention_reference)
+    ):
         with pytest.raises(ValueError, match=message):
             fn(q, k, k.clone(), rope, pos, cache, cache.clone())
 
