@@ -2,7 +2,7 @@
 index_copy_ into the cache, SDPA with the position mask): fresh random inputs, ragged head groups,
 positions at the start, inside a split and in the last cache slot, outputs and workspaces poisoned; the
 cache it writes equals the reference's; its FP8 output dequantized tracks the reference quantized. A tiny
-model's greedy decode is the same with and without it. On CPU through Triton's interpreter (with small
+model fed the stock path's greedy tokens decodes alike on it (teacher-forced, as tests/test_bf16_decode.py). On CPU through Triton's interpreter (with small
 tiles and splits so that several of each are walked), on a GPU natively, there also compiled and
 captured in a CUDA graph with the position changing between replays."""
 
