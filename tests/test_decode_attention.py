@@ -2,9 +2,10 @@
 index_copy_ into the cache, SDPA with the position mask): fresh random inputs, ragged head groups,
 positions at the start, inside a split and in the last cache slot, outputs and workspaces poisoned; the
 cache it writes equals the reference's; its FP8 output dequantized tracks the reference quantized. A tiny
-model fed the stock path's greedy tokens decodes alike on it (teacher-forced, as tests/test_bf16_decode.py). On CPU through Triton's interpreter (with small
-tiles and splits so that several of each are walked), on a GPU natively, there also compiled and
-captured in a CUDA graph with the position changing between replays."""
+model fed the stock path's greedy tokens decodes alike on it (teacher-forced, as in
+tests/test_bf16_decode.py). On CPU through Triton's interpreter (with small tiles and splits so that
+several of each are walked), on a GPU natively, there also compiled and captured in a CUDA graph with
+the position changing between replays."""
 
 import pytest
 import torch
