@@ -162,7 +162,7 @@ def test_bf16_decode_model_on_gpu_decodes_the_stock_tokens(compile: bool) -> Non
     teacher-forced into the one on weft's kernels, both stepped in CUDA graphs (compiled or not)."""
     from serve import build_model
 
-    args = ModelArgs(**ARGS, n_layers=4, max_seq_len=256)
+    args = ModelArgs(**{**ARGS, "n_layers": 4, "max_seq_len": 256})
     device = torch.device("cuda", torch.cuda.current_device())
     prompt = torch.randint(0, 160, (3, 20), device=device)
     logits, tokens = {}, None
