@@ -36,8 +36,16 @@ Why this shape:
   ~230 registers a thread at 4 warps, so two fit an SM), no share of the full cache below
   MIN_POSITIONS_PER_SPLIT, and at most what one combine program holds in registers (COMBINE_ELEMENTS
   partial outputs, MAX_SPLITS). These trade the first kernel's occupancy against the combine's reads
-  (B * Hq * splits * D * 4 bytes): measure with benchmarks/bench_decode_attention.py before changing
-  them.
+  (B * Hq * splits * D * 4 bytes). Swept on one H100 (bench_decode_attention --sweep, Llama-3-8B heads,
+  decode_attention_sweep-h100.md): 32 rather than 64 positions per split at least takes batch 1 at 640
+  positions from 8.58 to 7.40 us (16 splits, each one tile, all loaded before the PDL wait) and is as
+  fast elsewhere; 32-position tiles gain there too (7.14 us) but lose 5% at 4096 positions; 4 programs
+  per SM lose at batch 8.
+- Measured on one H100 (decode_attention-h100.md, one layer at the cache's last slot): at batch 1 and
+  640 positions the op is latency-bound (8.5 us with 64-position splits, against 15.7 us for the
+  compiled stock path and a 0.9 us read floor): two dependent launches and a few dependent loads each.
+  From 4096 positions up it streams: 85% of the copy-bandwidth floor at batch 1 and 32768 positions,
+  100% at batch 8.
 - The second kernel is a separate launch rather than the last split program of each kv head: stream
   order makes the partials visible without fences, and under PDL its launch overlaps the first one.
 """
@@ -64,7 +72,7 @@ from kernels.fp8 import (
 )
 
 BLOCK_N = 64  # cached positions per tile of the first kernel
-MIN_POSITIONS_PER_SPLIT = 64
+MIN_POSITIONS_PER_SPLIT = 32
 SPLIT_PROGRAMS_PER_SM = 2
 # fp32 partial outputs one combine program loads at once (32 per thread at 16 warps), and its splits.
 COMBINE_ELEMENTS = 16384

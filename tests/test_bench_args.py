@@ -20,6 +20,8 @@ def test_tune_shapes_parse_and_reject_clearly() -> None:
 def test_decode_attention_benchmark_smoke_run() -> None:
     """--smoke runs every path of the benchmark (ours with and without PDL, stock eager and compiled,
     bf16 and FP8 outputs, the sweep) at one tiny shape, on CPU through the interpreter."""
+    da = bench_decode_attention.da
+    served = da.BLOCK_N, da.MIN_POSITIONS_PER_SPLIT, da.SPLIT_PROGRAMS_PER_SM
     rows = bench_decode_attention.main(["--smoke", "--sweep"])
     assert [row.get("out") for row in rows] == ["bf16", "fp8", None, None]
     for row in rows[:2]:
@@ -29,7 +31,7 @@ def test_decode_attention_benchmark_smoke_run() -> None:
     # give 2 splits, 1 gives 1) and are restored after it.
     assert [(row["block_n"], row["splits"]) for row in rows[2:]] == [(16, 2), (32, 1)]
     assert rows[2]["ours_us"] > 0 and rows[3]["ours_us"] > 0
-    assert (bench_decode_attention.da.BLOCK_N, bench_decode_attention.da.MIN_POSITIONS_PER_SPLIT) == (64, 64)
+    assert served == (da.BLOCK_N, da.MIN_POSITIONS_PER_SPLIT, da.SPLIT_PROGRAMS_PER_SM)
 
 
 def test_bf16_gemm_benchmark_shapes_come_from_the_presets() -> None:

@@ -120,7 +120,7 @@ def test_split_counts(monkeypatch: pytest.MonkeyPatch) -> None:
     assert da.num_splits(1, 8, 4, 128, 4096, cpu) == 32  # Llama-3-8B: 33 wanted
     assert da.num_splits(1, 8, 8, 128, 32768, cpu) == 16  # Llama-3-70B: the combine's registers
     assert da.num_splits(8, 8, 4, 128, 4096, cpu) == 4
-    assert da.num_splits(1, 8, 4, 128, 640, cpu) == 8  # 10 shares of 64 positions
+    assert da.num_splits(1, 8, 4, 128, 640, cpu) == 16  # 20 shares of 32 positions
     assert da.num_splits(64, 8, 4, 128, 32768, cpu) == 1
     assert da.num_splits(1, 1, 4, 128, 4096, cpu) == 32  # a tensor-parallel shard with one kv head
     assert da.num_splits(1, 1, 2, 64, 8192, cpu) == da.MAX_SPLITS
