@@ -34,6 +34,18 @@ def tiny_model(tie: bool = False) -> Llama:
     return model.to(torch.bfloat16).eval()
 
 
+def residual_moving_model() -> Llama:
+    """The tiny model (ARGS) on the CPU in bf16, its wo and w2 scaled up 30x so that the blocks move the
+    residual stream and a missing all-reduce of their tensor-parallel shards shows in the logits."""
+    model = Llama(ModelArgs(**ARGS))
+    model.init_weights()
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.attention.wo.weight.mul_(30)
+            layer.feed_forward.w2.weight.mul_(30)
+    return model.to(torch.bfloat16).eval()
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -129,13 +141,7 @@ def _tp_bf16_decode_tracks_stock(rank: int, world: int) -> None:
     from parallel.parallelize import ParallelizeConfig, decode_hooks, parallelize_llama
 
     torch.manual_seed(0)  # the same weights and tokens on every rank
-    reference = Llama(ModelArgs(**ARGS))
-    reference.init_weights()
-    with torch.no_grad():  # blocks that move the residual stream, so that a missing all-reduce shows
-        for layer in reference.layers:
-            layer.attention.wo.weight.mul_(30)
-            layer.feed_forward.w2.weight.mul_(30)
-    reference = reference.to(torch.bfloat16).eval()
+    reference = residual_moving_model()
     prompt = torch.randint(0, 160, (2, 12))
     tokens = generate(reference, prompt, 4, cuda_graph=False)
     expected = forced_logits(reference, prompt, tokens, cuda_graph=False)

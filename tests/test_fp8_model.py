@@ -12,6 +12,7 @@ from model.decode import DecodeBlock
 from model.fp8 import Fp8Weight, check_fp8_device, convert_to_fp8
 from model.generate import DecodeStep, prefill
 from model.llama import Llama
+from tests.test_bf16_decode import residual_moving_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -71,15 +72,8 @@ def _tp_fp8_tracks_bf16(rank: int, world: int) -> None:
     from parallel.mesh import ParallelDims, build_mesh
     from parallel.parallelize import ParallelizeConfig, fp8_decode_hooks, parallelize_llama
 
-    args = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=160, ffn_hidden=200)
     torch.manual_seed(0)  # the same weights and tokens on every rank
-    reference = Llama(args)
-    reference.init_weights()
-    with torch.no_grad():  # blocks that move the residual stream, so that a missing all-reduce shows
-        for layer in reference.layers:
-            layer.attention.wo.weight.mul_(30)
-            layer.feed_forward.w2.weight.mul_(30)
-    reference = reference.to(torch.bfloat16).eval()
+    reference = residual_moving_model()
     tokens = torch.randint(0, 160, (2, 12))
     reference.setup_caches(2, 16)
     expected = prefill(reference, tokens).float()
