@@ -36,19 +36,29 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 MODELS = ["llama3_8b", "llama3_70b"]
 
 
-def decode_gemms(preset: str) -> tuple[int, list[tuple[str, int, int]]]:
-    """(layers, [(name, N, K)]) of a model preset's bf16 decode GEMMs (configs/model/<preset>.yaml):
-    the fused weights of a block, then the output projection."""
+def preset_args(preset: str) -> ModelArgs:
+    """The ModelArgs of a model preset (configs/model/<preset>.yaml)."""
     preset_cfg = OmegaConf.load(CONFIGS / "model" / f"{preset}.yaml")
-    args: ModelArgs = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelArgs), preset_cfg))
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelArgs), preset_cfg))
+
+
+def gemms_of(args: ModelArgs) -> list[tuple[str, int, int]]:
+    """[(name, N, K)] of a model's decode GEMMs: the fused weights of a block, then the output
+    projection."""
     heads_dim = args.n_heads * args.head_dim
-    return args.n_layers, [
+    return [
         ("wqkv", heads_dim + 2 * args.n_kv_heads * args.head_dim, args.dim),
         ("wo", args.dim, heads_dim),
         ("w13", 2 * args.ffn_hidden, args.dim),
         ("w2", args.dim, args.ffn_hidden),
         ("output", args.vocab_size, args.dim),
     ]
+
+
+def decode_gemms(preset: str) -> tuple[int, list[tuple[str, int, int]]]:
+    """(layers, [(name, N, K)]) of a model preset's bf16 decode GEMMs (gemms_of)."""
+    args = preset_args(preset)
+    return args.n_layers, gemms_of(args)
 
 
 M_VALUES = [1, 8, 16, 64]
@@ -63,7 +73,7 @@ def bench_model(model: str, bandwidth: float) -> list[dict[str, object]]:
         count = 1 if name == "output" else layers
         nbytes = 2 * n * k
         a, weights = bf16_operands(max(M_VALUES), n, k)
-        floor_us, _ = read_floor(weights)
+        floor_us, _, _ = read_floor(weights)
         roofline_us = nbytes / bandwidth * 1e6
         for m in M_VALUES:
             x = a[:m]

@@ -43,7 +43,7 @@ WARPS = [4, 8, 16]
 
 
 @triton.jit
-def _read_kernel(src_ptr, sink_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def read_kernel(src_ptr, sink_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     words = tl.load(src_ptr + offs, mask=offs < n, other=0)
     pdl_wait(PDL, False)
@@ -71,12 +71,14 @@ def _swiglu_bytes_kernel(x_ptr, out_ptr, H, BLOCK: tl.constexpr, PDL: tl.constex
     tl.store(out_ptr + row * H + cols, tl.clamp(gate * up, -448.0, 448.0).to(tl.float8e4nv), mask=mask)
 
 
-def fastest(make: Callable[[int, int], list[Callable[[], object]]]) -> tuple[float, str]:
-    """(us, config) of the fastest (BLOCK, num_warps) for calls built by make(block, warps)."""
-    best = min(
+Floor = tuple[float, int, int]  # (us, BLOCK, num_warps) of the fastest streaming kernel
+
+
+def fastest(make: Callable[[int, int], list[Callable[[], object]]]) -> Floor:
+    """The fastest (BLOCK, num_warps) for calls built by make(block, warps), with its time."""
+    return min(
         (time_us(make(block, warps)), block, warps) for block, warps in itertools.product(BLOCKS, WARPS)
     )
-    return best[0], f"BLOCK={best[1]}, num_warps={best[2]}"
 
 
 def launch(kernel, grid: tuple[int, ...], *args, block: int, warps: int) -> None:
@@ -84,21 +86,21 @@ def launch(kernel, grid: tuple[int, ...], *args, block: int, warps: int) -> None
     kernel[grid](*args, BLOCK=block, PDL=pdl_for(device), num_warps=warps, **launch_options(device))
 
 
-def read_floor(weights: list[torch.Tensor]) -> tuple[float, str]:
+def read_floor(weights: list[torch.Tensor]) -> Floor:
     words = [w.view(torch.int32).reshape(-1) for w in weights]
     n = words[0].numel()
     sinks = {block: torch.empty(triton.cdiv(n, block), dtype=torch.int32, device="cuda") for block in BLOCKS}
     return fastest(
         lambda block, warps: [
             partial(
-                launch, _read_kernel, (triton.cdiv(n, block),), w, sinks[block], n, block=block, warps=warps
+                launch, read_kernel, (triton.cdiv(n, block),), w, sinks[block], n, block=block, warps=warps
             )
             for w in words
         ]
     )
 
 
-def norm_floor(sets: list[tuple[torch.Tensor, ...]]) -> tuple[float, str]:
+def norm_floor(sets: list[tuple[torch.Tensor, ...]]) -> Floor:
     n = sets[0][0].numel()
     outs = [(torch.empty_like(x), torch.empty(n, dtype=FP8, device="cuda")) for x, _, _ in sets]
     return fastest(
@@ -111,7 +113,7 @@ def norm_floor(sets: list[tuple[torch.Tensor, ...]]) -> tuple[float, str]:
     )
 
 
-def swiglu_floor(inputs: list[torch.Tensor]) -> tuple[float, str]:
+def swiglu_floor(inputs: list[torch.Tensor]) -> Floor:
     rows, hidden = inputs[0].shape[0], inputs[0].shape[1] // 2
     outs = [torch.empty(rows, hidden, dtype=FP8, device="cuda") for _ in inputs]
     return fastest(
@@ -131,8 +133,8 @@ def swiglu_floor(inputs: list[torch.Tensor]) -> tuple[float, str]:
     )
 
 
-def result(op: str, shape: str, nbytes: int, floor: tuple[float, str], ours_us: float) -> dict[str, object]:
-    floor_us, config = floor
+def result(op: str, shape: str, nbytes: int, floor: Floor, ours_us: float) -> dict[str, object]:
+    floor_us, block, warps = floor
     row = {
         "op": op,
         "shape": shape,
@@ -143,7 +145,7 @@ def result(op: str, shape: str, nbytes: int, floor: tuple[float, str], ours_us: 
         "ours_TBps": nbytes / ours_us / 1e6,
         "ours_over_floor": ours_us / floor_us,
         "floor_meets_bar": nbytes / floor_us / 1e6 >= BAR_TBPS,
-        "floor_config": config,
+        "floor_config": f"BLOCK={block}, num_warps={warps}",
     }
     print(row, flush=True)
     return row

@@ -48,3 +48,22 @@ def test_bf16_gemm_benchmark_shapes_come_from_the_presets() -> None:
         ("output", 128256, 4096),
     ]
     assert decode_gemms("llama3_70b")[1][2] == ("w13", 57344, 8192)
+
+
+def test_decode_floor_chain_has_the_step_kernels_and_bytes() -> None:
+    """decode_floor's chain launches as many kernels as the profiled step (291 with the argmax) and
+    reads exactly the roofline's weights and KV cache, whatever the launch structure."""
+    from benchmarks.bench_bf16_gemm import preset_args
+    from benchmarks.decode_floor import STRUCTURES, step_ops
+
+    args = preset_args("llama3_8b")
+    cpu = torch.device("cpu")
+    weights = 32 * (6144 + 4096 + 28672) * 4096 + 32 * 4096 * 14336 + 128256 * 4096
+    kv = 2 * 32 * 8 * 8 * 640 * 128 * 2
+    counts = []
+    for structure in STRUCTURES:
+        ops = step_ops(args, 8, 640, True, structure, cpu)
+        assert sum(op.reads for op in ops) == weights + kv
+        counts.append(len(ops))
+    assert counts == [290, 258, 226, 161]
+    assert sum(op.reads for op in step_ops(args, 1, 640, False, "as served", cpu)) == 2 * weights + kv // 8
