@@ -17,10 +17,10 @@ and folds them in from registers, so no program reads a cache row written in the
 program stores its partial output, running max and sum to a small fp32 workspace and counts itself in
 with an atomic; the last split of a (sequence, kv head) to arrive reads every split's partials back and
 weighs them into the bf16 output ("split-K with last-arriver reduction"; with one split its program
-writes the output directly). For FP8 the last kv head of a
-sequence to finish (a second count) reads the whole bf16 row back, takes its amax and quantizes it, so
-the per-token scale covers every head. The counts live in a persistent zeroed per-device workspace
-(arrival_counters) that each last arriver sets back to 0, so a CUDA graph's replays reuse it as is.
+writes the output directly). For FP8 the last kv head of a sequence to finish (a second count) reads
+the whole bf16 row back, takes its amax and quantizes it, so the per-token scale covers every head.
+The counts live in a persistent zeroed per-device workspace (arrival_counters) that each last arriver
+sets back to 0, so a CUDA graph's replays reuse it as is.
 
 Why this shape:
 - Reading the cache is the whole cost (Llama-3-8B, 640 positions: 2.6 MB a layer, about 0.9 us on an

@@ -318,8 +318,9 @@ def check_sm90_ptx() -> None:
     )
     ints = ["n_kv_heads", "cache_len", "stride_q", "stride_k", "stride_v", "stride_rope"]
     signature.update(dict.fromkeys([*ints, "stride_cb", "stride_ch"], "i32"))
-    # (query heads, kv heads, head dim): Llama-3-8B, Llama-3-70B, a small-head model.
-    for n_heads, n_kv_heads, head_dim in [(32, 8, 128), (64, 8, 128), (16, 8, 64)]:
+    # (query heads, kv heads, head dim): Llama-3-8B, Llama-3-70B, a small-head model, Llama-3-405B (the
+    # longest row the FP8 quantize holds: 128 elements a thread at 4 warps).
+    for n_heads, n_kv_heads, head_dim in [(32, 8, 128), (64, 8, 128), (16, 8, 64), (128, 8, 128)]:
         group = n_heads // n_kv_heads
         for splits in (1, da.max_splits(group, head_dim)):
             for fp8 in (False, True):
