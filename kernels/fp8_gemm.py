@@ -48,9 +48,7 @@ import triton.language as tl
 
 from kernels.fp8 import (
     FP8,
-    FP8_MAX,
     INTERPRETED,
-    MIN_SCALE,
     downcast,
     launch_options,
     pdl_for,
@@ -182,11 +180,11 @@ def _load_a(ptrs, mask, inv_scale, QUANTIZE_A: tl.constexpr, SNAP: tl.constexpr)
 
 
 @triton.jit
-def _token_scales_and_rearm(amax_ptr, offs_m, M, SNAP: tl.constexpr):
+def _token_scales_and_rearm(amax_ptr, offs_m, M):
     """Per-token scales [BLOCK_M, 1] = amax / 448 (kernels.fp8's rule and guard) from the amax workspace
     the SwiGLU epilogue filled; the last program of the grid to read it stores 0 back (re-arm)."""
     amax = tl.load(amax_ptr + offs_m, mask=offs_m < M, other=0).to(tl.float32, bitcast=True)
-    scale = tl.maximum(amax, MIN_SCALE * FP8_MAX) / FP8_MAX
+    scale = tl.maximum(amax, 1e-12 * 448.0) / 448.0  # kernels.fp8's MIN_SCALE and FP8_MAX
     # Every thread's read of amax comes before this program counts itself in (barrier, then a
     # release); the last to arrive (acquire) has seen every program's count, so every read is done.
     tl.debug_barrier()
@@ -293,7 +291,7 @@ def _skinny_gemm_kernel(
     # A, its scales and the amax workspace are the previous kernel's outputs: read after the wait.
     a_inv_scale = 1.0
     if QUANTIZE_A:  # bf16 A, quantized per token here with the amax its producer left
-        a_scale = _token_scales_and_rearm(amax_ptr, offs_m, M, SNAP)
+        a_scale = _token_scales_and_rearm(amax_ptr, offs_m, M)
         a_inv_scale = 1.0 / a_scale
     if EARLY_TILE:
         a_first = _load_a(
