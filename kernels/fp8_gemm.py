@@ -30,6 +30,21 @@ waits on the previous one (programmatic dependent launch, kernels.fp8.USE_PDL): 
 scales must not be written by the kernel right before the call.
 Beyond M = 64 the work is no longer weight-bound and `torch._scaled_mm` (bf16: F.linear) takes over.
 
+Two modes fuse a decode MLP's SwiGLU into its GEMMs (two launches instead of three):
+- SwiGLU epilogue (`skinny_swiglu_fp8_gemm`, `skinny_swiglu_bf16_gemm`) for the [w1|w3] weight, its gate
+  and up rows interleaved (`gate_up_rows`: row 2i gate i, row 2i + 1 up i, per-channel scales alike), so
+  that every tile of any even BLOCK_N holds whole pairs. The epilogue (after the split-K sum, in the
+  last slice) splits the fp32 tile into its column pairs and stores silu(gate) * up in bf16, [M, N / 2],
+  with kernels/fp8_swiglu.py's fast sigmoid. On e4m3 operands it also folds each token's largest |value|
+  as stored into the amax workspace (`atomic_max` of fp32 bit patterns, which order as the values do).
+- Quantized A (`skinny_quantizing_fp8_gemm`) for w2: A is that bf16 output; after the PDL wait the kernel
+  reads the amax workspace, takes scale = amax / 448 per token (kernels.fp8's rule), quantizes each A
+  tile to e4m3 in registers before the dot and scales the result in its epilogue as usual. Every program
+  then counts itself in on the workspace's arrival counter (barrier, acq_rel atomic), and the last one
+  stores 0 back to the amax and the counter: the workspace is 0 between calls without a memset launch.
+  The bf16 A tiles take twice the shared memory of e4m3 ones, so a 5-stage config at M <= 16 no longer
+  fits two programs per SM.
+
 bf16 wgmma keeps a full fp32 sum, so bf16 alone would not need the per-tile restart; the kernel keeps the
 same loop for both dtypes, so that one pipeline is tuned and tested.
 """
