@@ -222,20 +222,30 @@ def test_skinny_bf16_gemm_without_early_tile(poisoned: None, m: int, n: int, k: 
 
 
 # SwiGLU GEMMs: N = 2H (H = 300 and 228: ragged against every BLOCK_N / 2), ragged K; the heuristic's
-# config, swapped tiles without a split, unswapped tiles split 3 ways. H is w2's K: the kernels scale
-# by 1 / scale where quantize_reference divides, which now and then rounds one value to the
-# neighbouring e4m3 step, and over a few dozen terms of K that one value alone moved a row by 4%.
-SWIGLU_SHAPES = [(600, 256), (456, 1000)]
-SWIGLU_CONFIGS = [None, GemmConfig(64, 128, 1, swap_ab=True), GemmConfig(32, 128, 3)]
+# config (no split at these K), swapped tiles without a split, unswapped tiles split 2-3 ways; each
+# M of 1, 3, 16 and 64 on each shape at least once. H is w2's K: the kernels scale by 1 / scale where
+# quantize_reference divides, which now and then rounds one value to the neighbouring e4m3 step, and
+# over a few dozen terms of K that one value alone moved a row by 4%.
+SWAPPED, SPLIT = GemmConfig(64, 128, 1, swap_ab=True), GemmConfig(32, 128, 3)
+SWIGLU_CASES = [
+    (1, 600, 256, None),
+    (16, 600, 256, None),
+    (3, 456, 1000, None),
+    (64, 456, 1000, None),
+    (64, 600, 256, SWAPPED),
+    (1, 456, 1000, SWAPPED),
+    (3, 600, 256, SPLIT),
+    (1, 600, 256, SPLIT),
+    (16, 456, 1000, SPLIT),
+    (64, 456, 1000, SPLIT),
+]
 
 
 def amax_slots(device: torch.device) -> torch.Tensor:
     return gemm_module.amax_workspace(device)[: gemm_module.MAX_M].view(torch.float32)
 
 
-@pytest.mark.parametrize("m", [1, 3, 16, 64])
-@pytest.mark.parametrize(("n", "k"), SWIGLU_SHAPES)
-@pytest.mark.parametrize("config", SWIGLU_CONFIGS)
+@pytest.mark.parametrize(("m", "n", "k", "config"), SWIGLU_CASES)
 def test_swiglu_fp8_gemm_then_quantizing_gemm(
     poisoned: None, m: int, n: int, k: int, config: GemmConfig | None
 ) -> None:
@@ -259,9 +269,7 @@ def test_swiglu_fp8_gemm_then_quantizing_gemm(
         assert not gemm_module.amax_workspace(device).any(), "the amax workspace was not re-armed"
 
 
-@pytest.mark.parametrize("m", [1, 3, 16, 64])
-@pytest.mark.parametrize(("n", "k"), SWIGLU_SHAPES)
-@pytest.mark.parametrize("config", SWIGLU_CONFIGS)
+@pytest.mark.parametrize(("m", "n", "k", "config"), SWIGLU_CASES)
 def test_swiglu_bf16_gemm(poisoned: None, m: int, n: int, k: int, config: GemmConfig | None) -> None:
     """The bf16 [w1|w3] GEMM with the SwiGLU epilogue against F.linear of the gate and the up rows."""
     a, w13 = bf16(m, k), bf16(n, k, scale=0.05)
