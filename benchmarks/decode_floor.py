@@ -16,10 +16,11 @@ The chain is one CUDA graph, timed by replays. No kernel doing the real work wit
 structure can beat it, so roofline / floor is the most of the roofline such a step can reach.
 
 Rows per (dtype, batch), by launch structure:
-- "as served": per layer add+norm, qkv, attention split + combine, wo, add+norm, w13, SwiGLU, w2; then
-  add+norm and the output projection;
-- "one-launch attention": the combine folded into the attention kernel;
-- "one-launch attention, SwiGLU in w13": also no SwiGLU kernel;
+- "2-launch attention, SwiGLU kernel": per layer add+norm, qkv, attention split + combine, wo, add+norm,
+  w13, SwiGLU, w2; then add+norm and the output projection (weft's step before the decode attention
+  became one launch);
+- "1-launch attention, SwiGLU kernel": the combine folded into the attention kernel;
+- "1-launch attention, SwiGLU in w13": also no SwiGLU kernel (weft's step as it runs now);
 - "GEMMs and attention only": every glue kernel gone (norms fused into the GEMMs as well);
 - "one kernel": all the step's bytes read by one launch.
 
@@ -91,12 +92,12 @@ def step_ops(
     gemm = {name: Op(name, reads=n * k * weight_bytes) for name, n, k in gemms_of(args)}
     layer = [norm] if glue else []
     layer += [gemm["wqkv"], Op("attention", reads=kv)]
-    if structure == "as served":
+    if structure.startswith("2-launch"):
         layer.append(Op("attention combine", rows=partials // 2))
     layer.append(gemm["wo"])
     layer += [norm] if glue else []
     layer.append(gemm["w13"])
-    if structure in ("as served", "one-launch attention"):
+    if structure.endswith("SwiGLU kernel"):
         layer.append(Op("SwiGLU", rows=batch * args.ffn_hidden, row_dtype=act))
     layer.append(gemm["w2"])
     return layer * args.n_layers + ([norm] if glue else []) + [gemm["output"]]
@@ -141,17 +142,17 @@ def chain(ops: list[Op], configs: dict[int, tuple[int, int]]) -> Callable[[], No
 
 
 STRUCTURES = [
-    "as served",
-    "one-launch attention",
-    "one-launch attention, SwiGLU in w13",
+    "2-launch attention, SwiGLU kernel",
+    "1-launch attention, SwiGLU kernel",
+    "1-launch attention, SwiGLU in w13",
     "GEMMs and attention only",
 ]
 
 
 def floor_rows(args: ModelArgs, batch: int, cache_len: int, fp8: bool, bandwidth: float) -> list[dict]:
     ops = {s: step_ops(args, batch, cache_len, fp8, s, torch.device("cuda")) for s in STRUCTURES}
-    read_bytes = sum(op.reads for op in ops["as served"])
-    configs = {size: best_read_config(size) for size in {op.reads for op in ops["as served"] if op.reads}}
+    read_bytes = sum(op.reads for op in ops[STRUCTURES[0]])
+    configs = {size: best_read_config(size) for size in {op.reads for op in ops[STRUCTURES[0]] if op.reads}}
     roofline_us = read_bytes / bandwidth * 1e6
     timed = {
         s: (len(o), time_graph(chain(o, configs), calls_per_graph=2, replays=10) * 1e3)

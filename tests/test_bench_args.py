@@ -66,4 +66,4 @@ def test_decode_floor_chain_has_the_step_kernels_and_bytes() -> None:
         assert sum(op.reads for op in ops) == weights + kv
         counts.append(len(ops))
     assert counts == [290, 258, 226, 161]
-    assert sum(op.reads for op in step_ops(args, 1, 640, False, "as served", cpu)) == 2 * weights + kv // 8
+    assert sum(op.reads for op in step_ops(args, 1, 640, False, STRUCTURES[0], cpu)) == 2 * weights + kv // 8
