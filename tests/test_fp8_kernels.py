@@ -274,6 +274,23 @@ def test_swiglu_fp8_gemm_then_quantizing_gemm(
         assert max(rel_err(out[i], exact[i]) for i in range(m)) < 0.06
 
 
+@pytest.mark.parametrize(
+    "config",
+    [GemmConfig(32, 128, 1), GemmConfig(64, 128, 1, swap_ab=True), GemmConfig(64, 128, 1, early_tile=False)],
+)
+def test_quantizing_gemm_scales_each_k_tile_alone(poisoned: None, config: GemmConfig) -> None:
+    """A's first K tile 1e6x larger than its second, whose weight columns alone are nonzero: one scale per
+    token would flush the second tile to zero (error near 100%); a scale per (token, K tile)
+    keeps it to e4m3's rounding."""
+    h = torch.cat([bf16(3, 128, scale=1e6), bf16(3, 128)], dim=1)
+    w2, w2_scale = quantize_weight_per_channel(bf16(64, 256, scale=0.05))
+    w2[:, :128] = 0
+    out = skinny_quantizing_fp8_gemm(h, w2, w2_scale, config)
+    exact = h.float() @ dequantize(w2, w2_scale).t()
+    assert rel_err(out, exact) < 0.06
+    assert rel_err(out, quantizing_gemm_reference(h, w2, w2_scale, config.block_k)) < 1e-2
+
+
 @pytest.mark.parametrize(("m", "n", "k", "config"), SWIGLU_CASES)
 def test_swiglu_bf16_gemm(poisoned: None, m: int, n: int, k: int, config: GemmConfig | None) -> None:
     """The bf16 [w1|w3] GEMM with the SwiGLU epilogue against F.linear of the gate and the up rows."""
