@@ -23,9 +23,6 @@ FP8_MAX = 448.0
 # grid (round to nearest) so that its cast is exact. Compiled kernels cast natively.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 MIN_SCALE = 1e-12
-# The same two as constants a Triton kernel may read.
-_FP8_MAX: tl.constexpr = tl.constexpr(FP8_MAX)
-_MIN_SCALE: tl.constexpr = tl.constexpr(MIN_SCALE)
 
 # Programmatic dependent launch (PDL, Hopper and newer). Every FP8 kernel here is launched so that it
 # may start while the kernel before it in the stream is still running: it loads what no earlier kernel
@@ -113,13 +110,6 @@ def downcast(x, dtype: tl.constexpr, SNAP: tl.constexpr):
 
 
 @triton.jit
-def scale_for_amax(amax):
-    """The e4m3 scale of values whose largest |value| is `amax`: amax / 448, at least MIN_SCALE (all-zero
-    rows), as quantize_reference takes it."""
-    return tl.maximum(amax, _MIN_SCALE * _FP8_MAX) / _FP8_MAX
-
-
-@triton.jit
 def to_fp8(y, inv_scale, SNAP: tl.constexpr):
     """fp32 values times 1/scale, clamped to the e4m3 range, as e4m3."""
     q = tl.clamp(y * inv_scale, -448.0, 448.0)
@@ -149,7 +139,7 @@ def store_row(
     elif QUANT == 1:
         tl.store(out_ptrs, to_fp8(y, inv_static, SNAP), mask=mask)
     else:
-        scale = scale_for_amax(tl.max(tl.abs(y), axis=0))
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12 * 448.0) / 448.0
         tl.store(scale_ptr + row, scale)
         tl.store(out_ptrs, to_fp8(y, 1.0 / scale, SNAP), mask=mask)
 

@@ -35,14 +35,15 @@ Two modes fuse a decode MLP's SwiGLU into its GEMMs (two launches instead of thr
   and up rows interleaved (`gate_up_rows`: row 2i gate i, row 2i + 1 up i, per-channel scales alike), so
   that every tile of any even BLOCK_N holds whole pairs. The epilogue (after the split-K sum, in the
   last slice) splits the fp32 tile into its column pairs and stores silu(gate) * up in bf16, [M, N / 2],
-  with kernels/fp8_swiglu.py's fast sigmoid.
-- Quantized A (`skinny_quantizing_fp8_gemm`) for w2: A is that bf16 output, or any bf16 activation. Each
-  A tile [BLOCK_M, BLOCK_K] is quantized to e4m3 in registers with a scale per token of that tile alone
-  (kernels.fp8's rule: the row's amax over the tile / 448), and the tile's product is multiplied by it
-  before it joins the fp32 accumulator (where the per-tile restart above adds it anyway); the epilogue
-  then scales by B's scales only. No amax from the producer, so no workspace, atomic or dependent load
-  before the K loop, and scales finer than per token. The bf16 A tiles take twice the shared memory of
-  e4m3 ones, so a 5-stage config at M <= 16 no longer fits two programs per SM.
+  with kernels/fp8_swiglu.py's fast sigmoid. On e4m3 operands it also folds each token's largest |value|
+  as stored into the amax workspace (`atomic_max` of fp32 bit patterns, which order as the values do).
+- Quantized A (`skinny_quantizing_fp8_gemm`) for w2: A is that bf16 output; after the PDL wait the kernel
+  reads the amax workspace, takes scale = amax / 448 per token (kernels.fp8's rule), quantizes each A
+  tile to e4m3 in registers before the dot and scales the result in its epilogue as usual. Every program
+  then counts itself in on the workspace's arrival counter (barrier, acq_rel atomic), and the last one
+  stores 0 back to the amax and the counter: the workspace is 0 between calls without a memset launch.
+  The bf16 A tiles take twice the shared memory of e4m3 ones, so a 5-stage config at M <= 16 no longer
+  fits two programs per SM.
 
 bf16 wgmma keeps a full fp32 sum, so bf16 alone would not need the per-tile restart; the kernel keeps the
 same loop for both dtypes, so that one pipeline is tuned and tested.
@@ -63,14 +64,11 @@ import triton.language as tl
 from kernels.fp8 import (
     FP8,
     INTERPRETED,
-    dequantize,
     downcast,
     launch_options,
     pdl_for,
     pdl_wait,
     programs_cap,
-    quantize_reference,
-    scale_for_amax,
     to_fp8,
 )
 from kernels.fp8_swiglu import fast_sigmoid
@@ -188,34 +186,35 @@ def _tile_dot(x, y, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _tile_product(
-    a, b, QUANTIZE_A: tl.constexpr, SWAP_AB: tl.constexpr, UPCAST: tl.constexpr, SNAP: tl.constexpr
-):
-    """One K tile's product in fp32: A [BLOCK_M, BLOCK_K] @ B [BLOCK_N, BLOCK_K]^T, transposed with
-    SWAP_AB. QUANTIZE_A: A is bf16, quantized to e4m3 with a scale per token of this tile alone
-    (kernels.fp8's rule on the tile's row amax), and the product is scaled back by it here, so the
-    kernel needs no amax from elsewhere."""
+def _load_a(ptrs, mask, inv_scale, QUANTIZE_A: tl.constexpr, SNAP: tl.constexpr):
+    """A tile as stored, or (QUANTIZE_A) bf16 values times 1 / their token's scale as e4m3."""
+    a = tl.load(ptrs, mask=mask, other=0.0)
     if QUANTIZE_A:
-        a = a.to(tl.float32)
-        scale = scale_for_amax(tl.max(tl.abs(a), axis=1))
-        a = to_fp8(a, (1.0 / scale)[:, None], SNAP)
-    if SWAP_AB:
-        # out^T = B @ A^T: the weight tile is the MMA's M side (>= 64 rows: Hopper's wgmma, which
-        # reads e4m3 and bf16 straight from shared memory), the few tokens its N side.
-        product = _tile_dot(b, tl.trans(a), UPCAST)
-        if QUANTIZE_A:
-            product = product * scale[None, :]
-    else:
-        product = _tile_dot(a, tl.trans(b), UPCAST)
-        if QUANTIZE_A:
-            product = product * scale[:, None]
-    return product
+        a = to_fp8(a.to(tl.float32), inv_scale, SNAP)
+    return a
+
+
+@triton.jit
+def _token_scales_and_rearm(amax_ptr, offs_m, M):
+    """Per-token scales [BLOCK_M, 1] = amax / 448 (kernels.fp8's rule and guard) from the amax workspace
+    the SwiGLU epilogue filled; the last program of the grid to read it stores 0 back (re-arm)."""
+    amax = tl.load(amax_ptr + offs_m, mask=offs_m < M, other=0).to(tl.float32, bitcast=True)
+    scale = tl.maximum(amax, 1e-12 * 448.0) / 448.0  # kernels.fp8's MIN_SCALE and FP8_MAX
+    # Every thread's read of amax comes before this program counts itself in (barrier, then a
+    # release); the last to arrive (acquire) has seen every program's count, so every read is done.
+    tl.debug_barrier()
+    arrived = tl.atomic_add(amax_ptr + AMAX_SLOTS, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+        tl.store(amax_ptr + offs_m, tl.zeros_like(offs_m), mask=offs_m < M)
+        tl.store(amax_ptr + AMAX_SLOTS, 0)
+    return scale[:, None]
 
 
 @triton.jit
 def _store_out(
     acc,
     out_ptr,
+    amax_ptr,
     offs_m,
     pid_n,
     M,
@@ -224,10 +223,12 @@ def _store_out(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SWIGLU: tl.constexpr,
+    OUT_AMAX: tl.constexpr,
     SNAP: tl.constexpr,
 ):
     """Write the fp32 tile [BLOCK_M, BLOCK_N] of out[:, pid_n * BLOCK_N:] as out's dtype; with SWIGLU,
-    its column pairs (gate, up) as silu(gate) * up into out[:, pid_n * BLOCK_N / 2:]."""
+    its column pairs (gate, up) as silu(gate) * up into out[:, pid_n * BLOCK_N / 2:], and with OUT_AMAX
+    each token's largest |value| as stored into the amax workspace."""
     if SWIGLU:
         gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
         acc = gate * fast_sigmoid(gate, SNAP) * up
@@ -238,6 +239,10 @@ def _store_out(
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     out = downcast(acc, out_ptr.dtype.element_ty, SNAP)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)
+    if OUT_AMAX:
+        # |values| >= 0 order as their fp32 bit patterns do: an integer max over the programs.
+        row_amax = tl.max(tl.where(mask, tl.abs(out.to(tl.float32)), 0.0), axis=1)
+        tl.atomic_max(amax_ptr + offs_m, row_amax.to(tl.int32, bitcast=True), mask=offs_m < M, sem="relaxed")
 
 
 @triton.jit
@@ -248,6 +253,7 @@ def _skinny_gemm_kernel(
     b_scale_ptr,
     out_ptr,
     partial_ptr,
+    amax_ptr,
     M,
     N,
     K,
@@ -260,6 +266,7 @@ def _skinny_gemm_kernel(
     B_PER_CHANNEL: tl.constexpr,
     QUANTIZE_A: tl.constexpr,
     SWIGLU: tl.constexpr,
+    OUT_AMAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -296,34 +303,50 @@ def _skinny_gemm_kernel(
         else:
             b_scale = tl.load(b_scale_ptr)
     pdl_wait(PDL, False)
-    # A and its scales are the previous kernel's outputs: read after the wait.
+    # A, its scales and the amax workspace are the previous kernel's outputs: read after the wait.
+    a_inv_scale = 1.0
+    if QUANTIZE_A:  # bf16 A, quantized per token here with the amax its producer left
+        a_scale = _token_scales_and_rearm(amax_ptr, offs_m, M)
+        a_inv_scale = 1.0 / a_scale
     if EARLY_TILE:
-        a_first = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-    if SCALED and not QUANTIZE_A:  # with QUANTIZE_A each tile's product is scaled back already
+        a_first = _load_a(
+            a_ptrs, (offs_m[:, None] < M) & (offs_k[None, :] < K), a_inv_scale, QUANTIZE_A, SNAP
+        )
+    if SCALED and not QUANTIZE_A:
         if A_PER_TOKEN:
             a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
         else:
             a_scale = tl.load(a_scale_ptr)
-    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for _ in range(EARLY_TILE, tl.cdiv(k_per_split, BLOCK_K)):
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
         offs_k += BLOCK_K
         in_k = offs_k[None, :] < K
-        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & in_k, other=0.0)
+        a = _load_a(a_ptrs, (offs_m[:, None] < M) & in_k, a_inv_scale, QUANTIZE_A, SNAP)
         b = tl.load(b_ptrs, mask=(offs_n[:, None] < N) & in_k, other=0.0)
-        acc += _tile_product(a, b, QUANTIZE_A, SWAP_AB, UPCAST, SNAP)
-    if EARLY_TILE:
-        acc += _tile_product(a_first, b_first, QUANTIZE_A, SWAP_AB, UPCAST, SNAP)
+        if SWAP_AB:
+            # out^T = B @ A^T: the weight tile is the MMA's M side (>= 64 rows: Hopper's wgmma, which
+            # reads e4m3 and bf16 straight from shared memory), the few tokens its N side.
+            acc_t += _tile_dot(b, tl.trans(a), UPCAST)
+        else:
+            acc += _tile_dot(a, tl.trans(b), UPCAST)
     if SWAP_AB:
-        acc = tl.trans(acc)
+        if EARLY_TILE:
+            acc_t += _tile_dot(b_first, tl.trans(a_first), UPCAST)
+        acc = tl.trans(acc_t)
+    elif EARLY_TILE:
+        acc += _tile_dot(a_first, tl.trans(b_first), UPCAST)
     if SCALED:
-        if not QUANTIZE_A:
-            acc = acc * a_scale
-        acc = acc * b_scale
+        acc = acc * a_scale * b_scale
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if not SPLIT:
-        _store_out(acc, out_ptr, offs_m, pid_n, M, N, stride_om, BLOCK_M, BLOCK_N, SWIGLU, SNAP)
+        _store_out(
+            acc, out_ptr, amax_ptr, offs_m, pid_n, M, N, stride_om, BLOCK_M, BLOCK_N, SWIGLU, OUT_AMAX, SNAP
+        )
     else:
         splits = tl.num_programs(1)
         tile = offs_m[:, None] * N + offs_n[None, :]
@@ -345,12 +368,29 @@ def _skinny_gemm_kernel(
                 tl.store(
                     ptrs, tl.full((BLOCK_M, BLOCK_N), EMPTY, tl.int32).to(tl.float32, bitcast=True), mask=mask
                 )
-            _store_out(total + acc, out_ptr, offs_m, pid_n, M, N, stride_om, BLOCK_M, BLOCK_N, SWIGLU, SNAP)
+            _store_out(
+                total + acc,
+                out_ptr,
+                amax_ptr,
+                offs_m,
+                pid_n,
+                M,
+                N,
+                stride_om,
+                BLOCK_M,
+                BLOCK_N,
+                SWIGLU,
+                OUT_AMAX,
+                SNAP,
+            )
 
 
 # A NaN bit pattern no arithmetic produces (a generated NaN is 0x7FC00000 or 0xFFC00000).
 EMPTY: tl.constexpr = tl.constexpr(0x7FC0DEAD)
 _WORKSPACES: Workspaces = {}
+# The amax workspace: MAX_M per-token amax slots, then the arrival counter of the GEMM that reads them.
+AMAX_SLOTS: tl.constexpr = tl.constexpr(MAX_M)
+_AMAX_WORKSPACES: Workspaces = {}
 
 
 def split_workspace(device: torch.device, numel: int) -> torch.Tensor:
@@ -359,6 +399,14 @@ def split_workspace(device: torch.device, numel: int) -> torch.Tensor:
     return persistent_workspace(
         _WORKSPACES, device, numel, EMPTY.value, 1 << 20, "split-K workspace", dtype=torch.float32
     )
+
+
+def amax_workspace(device: torch.device) -> torch.Tensor:
+    """The int32 [MAX_M + 1] amax workspace of `device`, between an e4m3 SwiGLU GEMM and the quantizing
+    GEMM after it: each token's amax (fp32 bit patterns) that the first accumulates, then the second's
+    arrival counter. All 0 between such pairs of calls (the second re-arms it):
+    kernels.workspace.persistent_workspace."""
+    return persistent_workspace(_AMAX_WORKSPACES, device, MAX_M + 1, 0, MAX_M + 1, "amax workspace")
 
 
 def gate_up_rows(fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -414,8 +462,10 @@ def _skinny_gemm(
     swiglu: bool = False,
 ) -> torch.Tensor:
     """Launch the kernel on checked operands: e4m3 with their scales, bf16 with None for both, or bf16 A
-    without a scale and e4m3 B with its scales, A then quantized in the kernel per (token, K tile).
-    `swiglu`: out [M, N / 2] = silu(gate) * up of B's interleaved (gate, up) rows (gate_up_rows)."""
+    without a scale and e4m3 B with its scales, A then quantized per token in the kernel by the amax
+    the e4m3 SwiGLU GEMM before it left in the amax workspace. `swiglu`: out [M, N / 2] = silu(gate) *
+    up of B's interleaved (gate, up) rows (gate_up_rows); in e4m3 each token's amax of it goes into the
+    amax workspace for the quantizing GEMM that must follow."""
     (m, k), n = a.shape, b.shape[0]
     cfg = config or config_for(m, n, k, a.device, b.dtype)
     out = torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16, device=a.device)
@@ -425,6 +475,7 @@ def _skinny_gemm(
     partial = split_workspace(a.device, (splits - 1) * m * n) if splits > 1 else out
     scaled = b_scale is not None
     quantize_a = scaled and a_scale is None
+    out_amax = swiglu and scaled
     _skinny_gemm_kernel[(tiles, splits)](
         a,
         b,
@@ -432,6 +483,7 @@ def _skinny_gemm(
         b_scale if scaled else b,
         out,
         partial,
+        amax_workspace(a.device) if quantize_a or out_amax else out,  # unread unless either
         m,
         n,
         k,
@@ -444,6 +496,7 @@ def _skinny_gemm(
         B_PER_CHANNEL=scaled and b_scale.numel() > 1,
         QUANTIZE_A=quantize_a,
         SWIGLU=swiglu,
+        OUT_AMAX=out_amax,
         BLOCK_M=m_bucket(m),
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -488,7 +541,9 @@ def skinny_swiglu_fp8_gemm(
     config: GemmConfig | None = None,
 ) -> torch.Tensor:
     """bf16 [M <= 64, N / 2] = silu(gate) * up of skinny_fp8_gemm(a, a_scale, b, b_scale) on B's
-    interleaved (gate, up) rows and scales (gate_up_rows), in fp32 from the accumulator."""
+    interleaved (gate, up) rows and scales (gate_up_rows), in fp32 from the accumulator; each token's
+    amax of the stored values is left in the amax workspace, for skinny_quantizing_fp8_gemm, which must
+    be the next call to read it."""
     _check(a, a_scale, b, b_scale)
     _check_skinny("skinny_swiglu_fp8_gemm", a, b, swiglu=True)
     return _skinny_gemm(a, b, a_scale, b_scale, config, swiglu=True)
@@ -507,9 +562,9 @@ def skinny_swiglu_bf16_gemm(
 def skinny_quantizing_fp8_gemm(
     a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, config: GemmConfig | None = None
 ) -> torch.Tensor:
-    """skinny_fp8_gemm of bf16 `a` [M <= 64, K] (skinny_swiglu_fp8_gemm's output in the MLP), quantized
-    inside the kernel per (token, K tile of the config's block_k) as quantize_per_tile_reference does,
-    @ e4m3 B [N, K] with its scales."""
+    """skinny_fp8_gemm of the bf16 output `a` [M <= 64, K] of skinny_swiglu_fp8_gemm, quantized per
+    token inside the kernel (scale = amax / 448 with the amax that call left in the amax workspace,
+    which this one re-arms), @ e4m3 B [N, K] with its scales."""
     if a.dtype != torch.bfloat16 or b.dtype != FP8:
         raise ValueError(
             f"quantizing_fp8_gemm takes bfloat16 A and float8_e4m3fn B, got {a.dtype} and {b.dtype}"
@@ -562,14 +617,6 @@ def fp8_gemm_reference(
     return ((a.float() @ b.float().t()) * a_scale * b_scale).to(torch.bfloat16)
 
 
-def quantize_per_tile_reference(a: torch.Tensor, block_k: int) -> torch.Tensor:
-    """The fp32 values [M, K] the quantizing GEMM multiplies for A [M, K]: each row's every block_k
-    columns quantized to e4m3 with their own scale (quantize_reference's rule), times that scale."""
-    k = a.shape[1]
-    tiles = F.pad(a.float(), (0, -k % block_k)).unflatten(1, (-1, block_k))
-    return dequantize(*quantize_reference(tiles)).flatten(1)[:, :k]
-
-
 @torch.library.custom_op("weft::bf16_gemm", mutates_args=())
 def bf16_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """bf16 [M, N] = A [M, K] @ B [N, K]^T (F.linear without bias): weft's kernel up to M = 64, then
@@ -593,7 +640,7 @@ def bf16_gemm_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def swiglu_fp8_gemm(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor
 ) -> torch.Tensor:
-    """skinny_swiglu_fp8_gemm (M <= 64) as an op; its output is quantizing_fp8_gemm's input."""
+    """skinny_swiglu_fp8_gemm (M <= 64) as an op; its output goes to quantizing_fp8_gemm next."""
     return skinny_swiglu_fp8_gemm(a, a_scale, b, b_scale)
 
 

@@ -3,14 +3,14 @@ per output channel, and each block run on weft's fused FP8 kernels (model/decode
 
     (previous MLP output, residual) -> residual add + RMSNorm + quantize -> [wq|wk|wv] FP8 GEMM
       -> attention + quantize -> wo FP8 GEMM -> residual add + RMSNorm + quantize
-      -> [w1|w3] FP8 GEMM + SwiGLU -> quantize + w2 FP8 GEMM
+      -> [w1|w3] FP8 GEMM + SwiGLU + per-token amax -> quantize + w2 FP8 GEMM
       -> (MLP output, residual) to the next block
 
 and after the last block: residual add + RMSNorm + quantize -> output FP8 GEMM -> logits.
 
 Activations get one scale per token, computed inside the norm and attention kernels; the MLP's hidden
-activation leaves the [w1|w3] GEMM in bf16 (PendingFp8), and the w2 GEMM quantizes it as it reads it,
-one scale per (token, K tile) (kernels/fp8_gemm.py). The projections that read the same
+activation leaves the [w1|w3] GEMM in bf16 with its per-token amax in a workspace (PendingFp8), and
+the w2 GEMM quantizes it as it reads it (kernels/fp8_gemm.py). The projections that read the same
 input are fused into one weight, so each reads its input once and launches once. Beyond 64 tokens
 (prefill) the MLP runs unfused: GEMM, SwiGLU + quantize kernel, GEMM.
 
@@ -52,8 +52,9 @@ Fp8Activation = tuple[torch.Tensor, torch.Tensor]
 
 
 class PendingFp8(NamedTuple):
-    """An activation on its way to FP8: the SwiGLU GEMM's bf16 output [..., K], which the next GEMM
-    (quantizing_fp8_gemm) quantizes as it reads it."""
+    """An activation on its way to FP8: the SwiGLU GEMM's bf16 output [..., K], whose per-token amax that
+    kernel left in the amax workspace (kernels.fp8_gemm.amax_workspace); the next GEMM quantizes it
+    as it reads it, and must be the next to read the workspace."""
 
     values: torch.Tensor
 
