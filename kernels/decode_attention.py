@@ -62,7 +62,6 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.fp8 import (
     FP8,
@@ -70,6 +69,7 @@ from kernels.fp8 import (
     downcast,
     launch_options,
     pdl_for,
+    pdl_wait,
     programs_cap,
     quantize_reference,
     store_row,
@@ -290,8 +290,7 @@ def _decode_attention_kernel(
     # before this one (the cache was written at earlier steps), so the first tile's loads are issued
     # before waiting on it; q, k and v are its output.
     keys, values = _load_tile(k_cache_ptr, v_cache_ptr, cache, start, stop, dim, D, BLOCK)
-    if PDL:
-        gdc_wait()
+    pdl_wait(PDL, False)
 
     dtype = k_cache_ptr.dtype.element_ty
     b64 = b.to(tl.int64)
@@ -317,11 +316,6 @@ def _decode_attention_kernel(
         keys, values = _load_tile(k_cache_ptr, v_cache_ptr, cache, first, stop, dim, D, BLOCK)
         m_i, l_i, acc = _attend_tile(q, keys, values, first, stop, m_i, l_i, acc, qk_scale, BLOCK, SNAP)
 
-    if PDL:
-        # The next kernel launches only once every program is past its loop: triggered at the start (as
-        # the GEMMs do), back-to-back calls at long caches ran 25-30% slower on H200 (batch 8, 32768
-        # positions: 324 -> 258 us; 4096: 47.7 -> 41.6), and at 640 positions within 0.1 us either way.
-        gdc_launch_dependents()
     # The current position, from registers, in the split that holds it.
     score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
     score = tl.where(holds_pos, score, float("-inf"))
