@@ -11,10 +11,8 @@ exceed the L2 cache, so every call reads from HBM (bench_fp8). Beside each GEMM 
 (the weight bytes at the device's measured copy bandwidth, serve.memory_bandwidth, as serve.py's decode
 roofline counts them) and the read floor (the fastest plain kernel reading the same bytes,
 bench_fp8_floors). A "step" row per model and M sums its GEMMs over the layers plus the output
-projection: the GEMM share of one decode step. The [w1|w3] rows also time that GEMM as decode runs
-it, with SwiGLU in its epilogue (swiglu_epilogue_us), beside the GEMM and then the SwiGLU kernel
-(gemm_then_swiglu_us). --tune (long: many configs per shape) keeps the fastest tiles in
-kernels/fp8_gemm_configs.json under "bf16," keys.
+projection: the GEMM share of one decode step. --tune (long: many configs per shape) keeps the fastest
+tiles in kernels/fp8_gemm_configs.json under "bf16," keys.
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ from benchmarks.bench_fp8 import bf16_operands, both_pdl, time_us, tune_gemm
 from benchmarks.bench_fp8_floors import read_floor
 from benchmarks.common import write_results
 from kernels import fp8_gemm as gemm
-from kernels.fp8_swiglu import swiglu
 from model.args import ModelArgs
 from serve import memory_bandwidth
 
@@ -65,11 +62,6 @@ def decode_gemms(preset: str) -> tuple[int, list[tuple[str, int, int]]]:
 
 
 M_VALUES = [1, 8, 16, 64]
-
-
-def gemm_then_swiglu(x: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The MLP's [w1|w3] GEMM and SwiGLU in two launches, as decode ran them before the epilogue."""
-    return swiglu(gemm.bf16_gemm(x, b), interleaved=True)
 
 
 def bench_model(model: str, bandwidth: float) -> list[dict[str, object]]:
@@ -108,11 +100,6 @@ def bench_model(model: str, bandwidth: float) -> list[dict[str, object]]:
                     "config": str(gemm.config_for(m, n, k, device, torch.bfloat16)),
                 }
             )
-            if name == "w13":
-                rows[-1]["swiglu_epilogue_us"] = time_us(
-                    [partial(gemm.swiglu_bf16_gemm, x, b) for b in weights]
-                )
-                rows[-1]["gemm_then_swiglu_us"] = time_us([partial(gemm_then_swiglu, x, b) for b in weights])
             print(rows[-1], flush=True)
             step[m]["ours_us"] += count * ours
             step[m]["linear_us"] += count * linear

@@ -87,15 +87,11 @@ def pdl_wait(PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr):
 
 @triton.jit
 def snap_to_e4m3(x):
-    """Round fp32 values (|x| <= 448) to the nearest e4m3 value, ties to even as the native cast does
-    (bf16 values scaled by 448 / amax land on ties often), in fp32 arithmetic."""
+    """Round fp32 values (|x| <= 448) to the nearest e4m3 value, in fp32 arithmetic."""
     a = tl.abs(x)
     exponent = tl.floor(tl.log2(tl.maximum(a, 0.015625)))  # 2^-6: subnormals share its spacing
     step = tl.exp2(exponent - 3.0)
-    steps = a / step
-    rounded = tl.floor(steps + 0.5)
-    odd = rounded - 2.0 * tl.floor(rounded * 0.5) == 1.0
-    snapped = tl.where((rounded - steps == 0.5) & odd, rounded - 1.0, rounded) * step
+    snapped = tl.floor(a / step + 0.5) * step
     return tl.where(x < 0, -snapped, snapped)
 
 

@@ -30,21 +30,6 @@ waits on the previous one (programmatic dependent launch, kernels.fp8.USE_PDL): 
 scales must not be written by the kernel right before the call.
 Beyond M = 64 the work is no longer weight-bound and `torch._scaled_mm` (bf16: F.linear) takes over.
 
-Two modes fuse a decode MLP's SwiGLU into its GEMMs (two launches instead of three):
-- SwiGLU epilogue (`skinny_swiglu_fp8_gemm`, `skinny_swiglu_bf16_gemm`) for the [w1|w3] weight, its gate
-  and up rows interleaved (`gate_up_rows`: row 2i gate i, row 2i + 1 up i, per-channel scales alike), so
-  that every tile of any even BLOCK_N holds whole pairs. The epilogue (after the split-K sum, in the
-  last slice) splits the fp32 tile into its column pairs and stores silu(gate) * up in bf16, [M, N / 2],
-  with kernels/fp8_swiglu.py's fast sigmoid. On e4m3 operands it also folds each token's largest |value|
-  as stored into the amax workspace (`atomic_max` of fp32 bit patterns, which order as the values do).
-- Quantized A (`skinny_quantizing_fp8_gemm`) for w2: A is that bf16 output; after the PDL wait the kernel
-  reads the amax workspace, takes scale = amax / 448 per token (kernels.fp8's rule), quantizes each A
-  tile to e4m3 in registers before the dot and scales the result in its epilogue as usual. Every program
-  then counts itself in on the workspace's arrival counter (barrier, acq_rel atomic), and the last one
-  stores 0 back to the amax and the counter: the workspace is 0 between calls without a memset launch.
-  The bf16 A tiles take twice the shared memory of e4m3 ones, so a 5-stage config at M <= 16 no longer
-  fits two programs per SM.
-
 bf16 wgmma keeps a full fp32 sum, so bf16 alone would not need the per-tile restart; the kernel keeps the
 same loop for both dtypes, so that one pipeline is tuned and tested.
 """
@@ -61,18 +46,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.fp8 import (
-    FP8,
-    INTERPRETED,
-    downcast,
-    launch_options,
-    pdl_for,
-    pdl_wait,
-    programs_cap,
-    to_fp8,
-)
-from kernels.fp8_swiglu import fast_sigmoid
-from kernels.workspace import Workspaces, persistent_workspace
+from kernels.fp8 import FP8, INTERPRETED, downcast, launch_options, pdl_for, pdl_wait, programs_cap
 
 MAX_M = 64
 CONFIG_FILE = Path(__file__).with_name("fp8_gemm_configs.json")
@@ -186,66 +160,6 @@ def _tile_dot(x, y, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _load_a(ptrs, mask, inv_scale, QUANTIZE_A: tl.constexpr, SNAP: tl.constexpr):
-    """A tile as stored, or (QUANTIZE_A) bf16 values times 1 / their token's scale as e4m3."""
-    a = tl.load(ptrs, mask=mask, other=0.0)
-    if QUANTIZE_A:
-        a = to_fp8(a.to(tl.float32), inv_scale, SNAP)
-    return a
-
-
-@triton.jit
-def _token_scales_and_rearm(amax_ptr, offs_m, M):
-    """Per-token scales [BLOCK_M, 1] = amax / 448 (kernels.fp8's rule and guard) from the amax workspace
-    the SwiGLU epilogue filled; the last program of the grid to read it stores 0 back (re-arm)."""
-    amax = tl.load(amax_ptr + offs_m, mask=offs_m < M, other=0).to(tl.float32, bitcast=True)
-    scale = tl.maximum(amax, 1e-12 * 448.0) / 448.0  # kernels.fp8's MIN_SCALE and FP8_MAX
-    # Every thread's read of amax comes before this program counts itself in (barrier, then a
-    # release); the last to arrive (acquire) has seen every program's count, so every read is done.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(amax_ptr + AMAX_SLOTS, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
-        tl.store(amax_ptr + offs_m, tl.zeros_like(offs_m), mask=offs_m < M)
-        tl.store(amax_ptr + AMAX_SLOTS, 0)
-    return scale[:, None]
-
-
-@triton.jit
-def _store_out(
-    acc,
-    out_ptr,
-    amax_ptr,
-    offs_m,
-    pid_n,
-    M,
-    N,
-    stride_om,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    OUT_AMAX: tl.constexpr,
-    SNAP: tl.constexpr,
-):
-    """Write the fp32 tile [BLOCK_M, BLOCK_N] of out[:, pid_n * BLOCK_N:] as out's dtype; with SWIGLU,
-    its column pairs (gate, up) as silu(gate) * up into out[:, pid_n * BLOCK_N / 2:], and with OUT_AMAX
-    each token's largest |value| as stored into the amax workspace."""
-    if SWIGLU:
-        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N // 2, 2]))
-        acc = gate * fast_sigmoid(gate, SNAP) * up
-        offs_n = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        N = N // 2
-    else:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    out = downcast(acc, out_ptr.dtype.element_ty, SNAP)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)
-    if OUT_AMAX:
-        # |values| >= 0 order as their fp32 bit patterns do: an integer max over the programs.
-        row_amax = tl.max(tl.where(mask, tl.abs(out.to(tl.float32)), 0.0), axis=1)
-        tl.atomic_max(amax_ptr + offs_m, row_amax.to(tl.int32, bitcast=True), mask=offs_m < M, sem="relaxed")
-
-
-@triton.jit
 def _skinny_gemm_kernel(
     a_ptr,
     b_ptr,
@@ -253,7 +167,6 @@ def _skinny_gemm_kernel(
     b_scale_ptr,
     out_ptr,
     partial_ptr,
-    amax_ptr,
     M,
     N,
     K,
@@ -264,9 +177,6 @@ def _skinny_gemm_kernel(
     SCALED: tl.constexpr,
     A_PER_TOKEN: tl.constexpr,
     B_PER_CHANNEL: tl.constexpr,
-    QUANTIZE_A: tl.constexpr,
-    SWIGLU: tl.constexpr,
-    OUT_AMAX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -303,16 +213,9 @@ def _skinny_gemm_kernel(
         else:
             b_scale = tl.load(b_scale_ptr)
     pdl_wait(PDL, False)
-    # A, its scales and the amax workspace are the previous kernel's outputs: read after the wait.
-    a_inv_scale = 1.0
-    if QUANTIZE_A:  # bf16 A, quantized per token here with the amax its producer left
-        a_scale = _token_scales_and_rearm(amax_ptr, offs_m, M)
-        a_inv_scale = 1.0 / a_scale
     if EARLY_TILE:
-        a_first = _load_a(
-            a_ptrs, (offs_m[:, None] < M) & (offs_k[None, :] < K), a_inv_scale, QUANTIZE_A, SNAP
-        )
-    if SCALED and not QUANTIZE_A:
+        a_first = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
+    if SCALED:
         if A_PER_TOKEN:
             a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
         else:
@@ -326,7 +229,7 @@ def _skinny_gemm_kernel(
         b_ptrs += BLOCK_K
         offs_k += BLOCK_K
         in_k = offs_k[None, :] < K
-        a = _load_a(a_ptrs, (offs_m[:, None] < M) & in_k, a_inv_scale, QUANTIZE_A, SNAP)
+        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & in_k, other=0.0)
         b = tl.load(b_ptrs, mask=(offs_n[:, None] < N) & in_k, other=0.0)
         if SWAP_AB:
             # out^T = B @ A^T: the weight tile is the MMA's M side (>= 64 rows: Hopper's wgmma, which
@@ -343,10 +246,9 @@ def _skinny_gemm_kernel(
     if SCALED:
         acc = acc * a_scale * b_scale
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     if not SPLIT:
-        _store_out(
-            acc, out_ptr, amax_ptr, offs_m, pid_n, M, N, stride_om, BLOCK_M, BLOCK_N, SWIGLU, OUT_AMAX, SNAP
-        )
+        tl.store(out_ptrs, downcast(acc, out_ptr.dtype.element_ty, SNAP), mask=mask)
     else:
         splits = tl.num_programs(1)
         tile = offs_m[:, None] * N + offs_n[None, :]
@@ -368,66 +270,40 @@ def _skinny_gemm_kernel(
                 tl.store(
                     ptrs, tl.full((BLOCK_M, BLOCK_N), EMPTY, tl.int32).to(tl.float32, bitcast=True), mask=mask
                 )
-            _store_out(
-                total + acc,
-                out_ptr,
-                amax_ptr,
-                offs_m,
-                pid_n,
-                M,
-                N,
-                stride_om,
-                BLOCK_M,
-                BLOCK_N,
-                SWIGLU,
-                OUT_AMAX,
-                SNAP,
-            )
+            tl.store(out_ptrs, downcast(total + acc, out_ptr.dtype.element_ty, SNAP), mask=mask)
 
 
 # A NaN bit pattern no arithmetic produces (a generated NaN is 0x7FC00000 or 0xFFC00000).
 EMPTY: tl.constexpr = tl.constexpr(0x7FC0DEAD)
-_WORKSPACES: Workspaces = {}
-# The amax workspace: MAX_M per-token amax slots, then the arrival counter of the GEMM that reads them.
-AMAX_SLOTS: tl.constexpr = tl.constexpr(MAX_M)
-_AMAX_WORKSPACES: Workspaces = {}
+_WORKSPACES: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def split_workspace(device: torch.device, numel: int) -> torch.Tensor:
     """The fp32 split-K partials workspace of `device`, at least `numel` long and EMPTY wherever no
-    call is in flight (every call re-arms what it read): kernels.workspace.persistent_workspace."""
-    return persistent_workspace(
-        _WORKSPACES, device, numel, EMPTY.value, 1 << 20, "split-K workspace", dtype=torch.float32
-    )
-
-
-def amax_workspace(device: torch.device) -> torch.Tensor:
-    """The int32 [MAX_M + 1] amax workspace of `device`, between an e4m3 SwiGLU GEMM and the quantizing
-    GEMM after it: each token's amax (fp32 bit patterns) that the first accumulates, then the second's
-    arrival counter. All 0 between such pairs of calls (the second re-arms it):
-    kernels.workspace.persistent_workspace."""
-    return persistent_workspace(_AMAX_WORKSPACES, device, MAX_M + 1, 0, MAX_M + 1, "amax workspace")
-
-
-def gate_up_rows(fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of the gate rows and the up rows of a SwiGLU GEMM's weight [2H, K] (or of its per-channel
-    scales [2H]). They alternate, gate i in row 2i and up i in row 2i + 1, so that every tile of the
-    GEMM holds whole (gate, up) pairs whatever its BLOCK_N."""
-    pairs = fused.unflatten(0, (-1, 2))
-    return pairs[:, 0], pairs[:, 1]
-
-
-def _check_shapes(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
-        raise ValueError(f"{name} needs A [M, K] and B [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
-    if a.stride(1) != 1 or b.stride(1) != 1:
-        raise ValueError(f"{name} needs A and B contiguous along K")
+    call is in flight (every call re-arms what it read). Grown outside CUDA-graph capture only, and a
+    grown-out workspace is kept alive: graphs captured earlier still point at it. Calls on concurrent
+    streams must not share it."""
+    workspaces = _WORKSPACES.setdefault(device, [])
+    if not workspaces or workspaces[-1].numel() < numel:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"the split-K workspace needs {numel} floats while a CUDA graph is being captured: "
+                "run the same call once before capture (a warm-up call) so it is allocated outside"
+            )
+        size = max(numel, 1 << 20, 2 * (workspaces[-1].numel() if workspaces else 0))
+        workspaces.append(
+            torch.full((size,), EMPTY.value, dtype=torch.int32, device=device).view(torch.float32)
+        )
+    return workspaces[-1]
 
 
 def _check(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> None:
     if a.dtype != FP8 or b.dtype != FP8:
         raise ValueError(f"fp8_gemm takes float8_e4m3fn operands, got {a.dtype} and {b.dtype}")
-    _check_shapes("fp8_gemm", a, b)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"fp8_gemm needs A [M, K] and B [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("fp8_gemm needs A and B contiguous along K")
     if a_scale.numel() not in (1, a.shape[0]) or b_scale.numel() not in (1, b.shape[0]):
         raise ValueError(
             f"scales must be per tensor (1) or per row: a_scale has {a_scale.numel()} for M={a.shape[0]}, "
@@ -438,19 +314,10 @@ def _check(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: tor
 def _check_bf16(a: torch.Tensor, b: torch.Tensor) -> None:
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
         raise ValueError(f"bf16_gemm takes bfloat16 operands, got {a.dtype} and {b.dtype}")
-    _check_shapes("bf16_gemm", a, b)
-
-
-def _check_skinny(name: str, a: torch.Tensor, b: torch.Tensor, swiglu: bool) -> None:
-    if a.shape[0] > MAX_M:
-        raise ValueError(
-            f"{name} handles M <= {MAX_M}, got M={a.shape[0]}: above that, run fp8_gemm or bf16_gemm"
-            + (" and then the SwiGLU kernel (kernels/fp8_swiglu.py, interleaved=True)" if swiglu else "")
-        )
-    if swiglu and b.shape[0] % 2:
-        raise ValueError(
-            f"{name} needs B's gate and up rows interleaved (gate_up_rows): an even N, got N={b.shape[0]}"
-        )
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"bf16_gemm needs A [M, K] and B [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.stride(1) != 1 or b.stride(1) != 1:
+        raise ValueError("bf16_gemm needs A and B contiguous along K")
 
 
 def _skinny_gemm(
@@ -459,31 +326,25 @@ def _skinny_gemm(
     a_scale: torch.Tensor | None,
     b_scale: torch.Tensor | None,
     config: GemmConfig | None,
-    swiglu: bool = False,
 ) -> torch.Tensor:
-    """Launch the kernel on checked operands: e4m3 with their scales, bf16 with None for both, or bf16 A
-    without a scale and e4m3 B with its scales, A then quantized per token in the kernel by the amax
-    the e4m3 SwiGLU GEMM before it left in the amax workspace. `swiglu`: out [M, N / 2] = silu(gate) *
-    up of B's interleaved (gate, up) rows (gate_up_rows); in e4m3 each token's amax of it goes into the
-    amax workspace for the quantizing GEMM that must follow."""
+    """Launch the kernel on checked operands: e4m3 with their scales, or bf16 with None for both."""
     (m, k), n = a.shape, b.shape[0]
-    cfg = config or config_for(m, n, k, a.device, b.dtype)
-    out = torch.empty(m, n // 2 if swiglu else n, dtype=torch.bfloat16, device=a.device)
+    if m > MAX_M:
+        raise ValueError(f"the skinny GEMM handles M <= {MAX_M}, got M={m}: use fp8_gemm or bf16_gemm")
+    cfg = config or config_for(m, n, k, a.device, a.dtype)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
     tiles = triton.cdiv(n, cfg.block_n)
     partial = split_workspace(a.device, (splits - 1) * m * n) if splits > 1 else out
-    scaled = b_scale is not None
-    quantize_a = scaled and a_scale is None
-    out_amax = swiglu and scaled
+    scaled = a_scale is not None and b_scale is not None
     _skinny_gemm_kernel[(tiles, splits)](
         a,
         b,
-        a_scale if a_scale is not None else a,  # unread without it
+        a_scale if scaled else a,  # unread without scales
         b_scale if scaled else b,
         out,
         partial,
-        amax_workspace(a.device) if quantize_a or out_amax else out,  # unread unless either
         m,
         n,
         k,
@@ -492,11 +353,8 @@ def _skinny_gemm(
         b.stride(0),
         out.stride(0),
         SCALED=scaled,
-        A_PER_TOKEN=a_scale is not None and a_scale.numel() > 1,
+        A_PER_TOKEN=scaled and a_scale.numel() > 1,
         B_PER_CHANNEL=scaled and b_scale.numel() > 1,
-        QUANTIZE_A=quantize_a,
-        SWIGLU=swiglu,
-        OUT_AMAX=out_amax,
         BLOCK_M=m_bucket(m),
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
@@ -522,60 +380,17 @@ def skinny_fp8_gemm(
 ) -> torch.Tensor:
     """The Triton kernel for M <= 64 (see the module docstring); `config` overrides the tuned one."""
     _check(a, a_scale, b, b_scale)
-    _check_skinny("skinny_fp8_gemm", a, b, swiglu=False)
+    if a.shape[0] > MAX_M:
+        raise ValueError(f"skinny_fp8_gemm handles M <= {MAX_M}, got M={a.shape[0]}: use fp8_gemm")
     return _skinny_gemm(a, b, a_scale, b_scale, config)
 
 
 def skinny_bf16_gemm(a: torch.Tensor, b: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
     """The Triton kernel on bf16 operands, A [M <= 64, K] @ B [N, K]^T; `config` overrides the tuned one."""
     _check_bf16(a, b)
-    _check_skinny("skinny_bf16_gemm", a, b, swiglu=False)
+    if a.shape[0] > MAX_M:
+        raise ValueError(f"skinny_bf16_gemm handles M <= {MAX_M}, got M={a.shape[0]}: use bf16_gemm")
     return _skinny_gemm(a, b, None, None, config)
-
-
-def skinny_swiglu_fp8_gemm(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    b: torch.Tensor,
-    b_scale: torch.Tensor,
-    config: GemmConfig | None = None,
-) -> torch.Tensor:
-    """bf16 [M <= 64, N / 2] = silu(gate) * up of skinny_fp8_gemm(a, a_scale, b, b_scale) on B's
-    interleaved (gate, up) rows and scales (gate_up_rows), in fp32 from the accumulator; each token's
-    amax of the stored values is left in the amax workspace, for skinny_quantizing_fp8_gemm, which must
-    be the next call to read it."""
-    _check(a, a_scale, b, b_scale)
-    _check_skinny("skinny_swiglu_fp8_gemm", a, b, swiglu=True)
-    return _skinny_gemm(a, b, a_scale, b_scale, config, swiglu=True)
-
-
-def skinny_swiglu_bf16_gemm(
-    a: torch.Tensor, b: torch.Tensor, config: GemmConfig | None = None
-) -> torch.Tensor:
-    """bf16 [M <= 64, N / 2] = silu(gate) * up of skinny_bf16_gemm(a, b) on B's interleaved (gate, up)
-    rows (gate_up_rows), in fp32 from the accumulator."""
-    _check_bf16(a, b)
-    _check_skinny("skinny_swiglu_bf16_gemm", a, b, swiglu=True)
-    return _skinny_gemm(a, b, None, None, config, swiglu=True)
-
-
-def skinny_quantizing_fp8_gemm(
-    a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, config: GemmConfig | None = None
-) -> torch.Tensor:
-    """skinny_fp8_gemm of the bf16 output `a` [M <= 64, K] of skinny_swiglu_fp8_gemm, quantized per
-    token inside the kernel (scale = amax / 448 with the amax that call left in the amax workspace,
-    which this one re-arms), @ e4m3 B [N, K] with its scales."""
-    if a.dtype != torch.bfloat16 or b.dtype != FP8:
-        raise ValueError(
-            f"quantizing_fp8_gemm takes bfloat16 A and float8_e4m3fn B, got {a.dtype} and {b.dtype}"
-        )
-    _check_shapes("quantizing_fp8_gemm", a, b)
-    if b_scale.numel() not in (1, b.shape[0]):
-        raise ValueError(
-            f"b_scale must be per tensor (1) or per row, got {b_scale.numel()} for N={b.shape[0]}"
-        )
-    _check_skinny("skinny_quantizing_fp8_gemm", a, b, swiglu=False)
-    return _skinny_gemm(a, b, None, b_scale, config)
 
 
 @torch.library.custom_op("weft::fp8_gemm", mutates_args=())
@@ -634,38 +449,3 @@ def _(a, b):
 
 def bf16_gemm_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() @ b.float().t()).to(torch.bfloat16)
-
-
-@torch.library.custom_op("weft::swiglu_fp8_gemm", mutates_args=())
-def swiglu_fp8_gemm(
-    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor
-) -> torch.Tensor:
-    """skinny_swiglu_fp8_gemm (M <= 64) as an op; its output goes to quantizing_fp8_gemm next."""
-    return skinny_swiglu_fp8_gemm(a, a_scale, b, b_scale)
-
-
-@swiglu_fp8_gemm.register_fake
-def _(a, a_scale, b, b_scale):
-    return a.new_empty(a.shape[0], b.shape[0] // 2, dtype=torch.bfloat16)
-
-
-@torch.library.custom_op("weft::quantizing_fp8_gemm", mutates_args=())
-def quantizing_fp8_gemm(a: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
-    """skinny_quantizing_fp8_gemm (M <= 64) as an op: `a` is swiglu_fp8_gemm's output."""
-    return skinny_quantizing_fp8_gemm(a, b, b_scale)
-
-
-@quantizing_fp8_gemm.register_fake
-def _(a, b, b_scale):
-    return a.new_empty(a.shape[0], b.shape[0])
-
-
-@torch.library.custom_op("weft::swiglu_bf16_gemm", mutates_args=())
-def swiglu_bf16_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """skinny_swiglu_bf16_gemm (M <= 64) as an op."""
-    return skinny_swiglu_bf16_gemm(a, b)
-
-
-@swiglu_bf16_gemm.register_fake
-def _(a, b):
-    return a.new_empty(a.shape[0], b.shape[0] // 2)

@@ -1,10 +1,7 @@
 """SwiGLU (+ FP8 quantize) in one pass over each row: [gate | up] -> silu(gate) * up -> e4m3 with a
 static scale or a per-row scale (amax / 448), or bf16. Reads 4 bytes and writes 1 (or 2) per output
 element; a program holds a whole row in registers. Few rows: one program per row; many rows: one
-program per SM walks the rows, loading the next row while it finishes the current one. With
-`interleaved` a row holds its gate and up values pairwise (gate_0, up_0, gate_1, up_1, ...): the output
-of the [w1|w3] GEMM whose weight rows are interleaved for the SwiGLU epilogue (kernels/fp8_gemm.py),
-run through this kernel beyond that epilogue's 64 tokens.
+program per SM walks the rows, loading the next row while it finishes the current one.
 
 Scale convention (kernels.fp8): scale = amax / 448, q = e4m3(y / scale), y ~= q * scale."""
 
@@ -32,7 +29,7 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def fast_sigmoid(x, INTERPRETED: tl.constexpr):
+def _sigmoid(x, INTERPRETED: tl.constexpr):
     """1 / (1 + 2^(-x log2 e)) with one ex2.approx and one rcp.approx, in place of tl.sigmoid's
     full-range division. At many rows SwiGLU was bound by that division, not by HBM: on H200, 1024 rows
     of 2 x 14336 took 21.07 -> 18.90 us and 1 row 2.90 -> 2.61 us, with per-row scales within 3e-6 of
@@ -62,7 +59,7 @@ def _swiglu_row(
     SNAP: tl.constexpr,
 ):
     gate = gate.to(tl.float32)
-    y = gate * fast_sigmoid(gate, SNAP) * up.to(tl.float32)  # SNAP: set exactly under the interpreter
+    y = gate * _sigmoid(gate, SNAP) * up.to(tl.float32)  # SNAP: set exactly under the interpreter
     store_row(y, out_ptr, tl.cast(row, tl.int64), stride_o, cols, mask, scale_ptr, inv_static, QUANT, SNAP)
 
 
@@ -76,7 +73,6 @@ def _swiglu_kernel(
     stride_x,
     stride_o,
     QUANT: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
     BLOCK: tl.constexpr,
     PERSISTENT: tl.constexpr,
     EVICT: tl.constexpr,
@@ -86,26 +82,19 @@ def _swiglu_kernel(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
-    if INTERLEAVED:  # gate_i, up_i side by side
-        gate_cols = 2 * cols
-        up_cols = gate_cols + 1
-    else:  # [gate | up]
-        gate_cols = cols
-        up_cols = H + cols
     pdl_wait(PDL, False)
     inv_static = static_inv_scale(scale_ptr, QUANT)
     row_ptr = x_ptr + tl.cast(pid, tl.int64) * stride_x
-    gate = tl.load(row_ptr + gate_cols, mask=mask, other=0.0, eviction_policy=EVICT)
-    up = tl.load(row_ptr + up_cols, mask=mask, other=0.0, eviction_policy=EVICT)
+    gate = tl.load(row_ptr + cols, mask=mask, other=0.0, eviction_policy=EVICT)
+    up = tl.load(row_ptr + H + cols, mask=mask, other=0.0, eviction_policy=EVICT)
     if PERSISTENT:
         # One program per SM walks the rows, loading row i + step while it finishes row i.
         step = tl.num_programs(0)
         for row in range(pid, n_rows, step):
             nxt = tl.cast(row + step, tl.int64)
             more = mask & (nxt < n_rows)
-            next_ptr = x_ptr + nxt * stride_x
-            gate_next = tl.load(next_ptr + gate_cols, mask=more, other=0.0, eviction_policy=EVICT)
-            up_next = tl.load(next_ptr + up_cols, mask=more, other=0.0, eviction_policy=EVICT)
+            gate_next = tl.load(x_ptr + nxt * stride_x + cols, mask=more, other=0.0, eviction_policy=EVICT)
+            up_next = tl.load(x_ptr + nxt * stride_x + H + cols, mask=more, other=0.0, eviction_policy=EVICT)
             _swiglu_row(gate, up, row, cols, mask, out_ptr, scale_ptr, inv_static, stride_o, QUANT, SNAP)
             gate = gate_next
             up = up_next
@@ -113,7 +102,7 @@ def _swiglu_kernel(
         _swiglu_row(gate, up, pid, cols, mask, out_ptr, scale_ptr, inv_static, stride_o, QUANT, SNAP)
 
 
-def _launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, quant: int, interleaved: bool) -> None:
+def _launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, quant: int) -> None:
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"swiglu takes bf16 or fp16 input, got {x.dtype}")
     if x.dim() != 2 or x.stride(-1) != 1 or x.shape[1] % 2:
@@ -132,7 +121,6 @@ def _launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, quant: int,
         x.stride(0),
         out.stride(0),
         QUANT=quant,
-        INTERLEAVED=interleaved,
         BLOCK=block,
         PERSISTENT=persistent,
         # Streamed rows marked first to evict from L2: on H200 at 1024 rows of 2 x 14336,
@@ -146,45 +134,40 @@ def _launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, quant: int,
 
 
 @torch.library.custom_op("weft::swiglu_fp8", mutates_args=())
-def swiglu_fp8(
-    x: torch.Tensor, scale: torch.Tensor | None, interleaved: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, 2H] = [gate | up] (`interleaved`: gate and up pairwise) -> (e4m3 [M, H], fp32 scales):
-    static `scale`, or per row when None."""
+def swiglu_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, 2H] = [gate | up] -> (e4m3 [M, H], fp32 scales): static `scale`, or per row when None."""
     out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=FP8, device=x.device)
     if scale is None:
         scales = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-        _launch(x, out, scales, QUANT_DYNAMIC, interleaved)
+        _launch(x, out, scales, QUANT_DYNAMIC)
         return out, scales
-    _launch(x, out, scale, QUANT_STATIC, interleaved)
+    _launch(x, out, scale, QUANT_STATIC)
     return out, scale.clone()
 
 
 @swiglu_fp8.register_fake
-def _(x, scale, interleaved=False):
+def _(x, scale):
     scales = x.new_empty(x.shape[0], dtype=torch.float32) if scale is None else torch.empty_like(scale)
     return x.new_empty(x.shape[0], x.shape[1] // 2, dtype=FP8), scales
 
 
 @torch.library.custom_op("weft::swiglu", mutates_args=())
-def swiglu(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """The bf16 path: silu(gate) * up in x's dtype (`interleaved` as in swiglu_fp8)."""
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """The bf16 path: silu(gate) * up in x's dtype."""
     out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.device)
-    _launch(x, out, out, QUANT_NONE, interleaved)
+    _launch(x, out, out, QUANT_NONE)
     return out
 
 
 @swiglu.register_fake
-def _(x, interleaved=False):
+def _(x):
     return x.new_empty(x.shape[0], x.shape[1] // 2)
 
 
-def swiglu_reference(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    gate, up = x.float().unflatten(-1, (-1, 2)).unbind(-1) if interleaved else x.float().chunk(2, dim=-1)
+def swiglu_reference(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.float().chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
 
 
-def swiglu_fp8_reference(
-    x: torch.Tensor, scale: torch.Tensor | None, interleaved: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize_reference(swiglu_reference(x, interleaved), scale)
+def swiglu_fp8_reference(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_reference(swiglu_reference(x), scale)

@@ -3,19 +3,15 @@ weight, every linear layer on weft's skinny GEMM (kernels/fp8_gemm.py) at decode
 glue between them in fused kernels:
 
     (previous MLP output, residual) -> residual add + RMSNorm -> [wq|wk|wv] GEMM -> attention
-      -> wo GEMM -> residual add + RMSNorm -> [w1|w3] GEMM with SwiGLU in its epilogue -> w2 GEMM
+      -> wo GEMM -> residual add + RMSNorm -> [w1|w3] GEMM -> SwiGLU -> w2 GEMM
       -> (MLP output, residual) to the next block
 
 and after the last block: residual add + RMSNorm -> output GEMM -> logits.
 
 The structure is the same in bf16 (`model.decode_kernels`, Bf16Kernels here) and in FP8 (`model.fp8`,
 model/fp8.py's Fp8Kernels). What differs is the form activations travel in between the kernels, bf16
-tensors or e4m3 values with one scale per token (quantized inside the norm and attention kernels, and
-for the MLP's w2 inside that GEMM), and the GEMM the weights run on: a DecodeKernels object names those
-kernels and builds the weights. The [w1|w3] weight has its gate and up rows interleaved, so that each
-tile of the GEMM holds whole (gate, up) pairs and its epilogue writes silu(gate) * up
-(kernels/fp8_gemm.py). Beyond the skinny GEMM's 64 tokens (prefill) the MLP runs unfused: the GEMM,
-then the SwiGLU kernel (kernels/fp8_swiglu.py), then w2.
+tensors or e4m3 values with one scale per token (quantized inside the norm and SwiGLU kernels), and the
+GEMM the weights run on: a DecodeKernels object names those kernels and builds the weights.
 
 A tensor-parallel model (parallel/ planned it; each rank holds its shards) converts the same way, given
 hooks from parallel/ (`decode_hooks`): `reduce` sums the partial outputs of the row-parallel wo and w2 over
@@ -30,15 +26,14 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from kernels.fp8_gemm import MAX_M, bf16_gemm, gate_up_rows, swiglu_bf16_gemm
+from kernels.fp8_gemm import bf16_gemm
 from kernels.fp8_norm import add_rmsnorm, rmsnorm
 from kernels.fp8_swiglu import swiglu
 from model.args import ModelArgs
 from model.llama import Attention, Llama, RMSNorm, TransformerBlock
 
 Hook = Callable[[torch.Tensor], torch.Tensor]
-# An activation between the kernels: bf16 [..., K], or e4m3 [..., K] with fp32 scales, one per token
-# (or, into the FP8 w2, model/fp8.py's PendingFp8: bf16 values that GEMM quantizes itself).
+# An activation between the kernels: bf16 [..., K], or e4m3 [..., K] with fp32 scales, one per token.
 Activation = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 # Between blocks the residual stream travels as (pending [B, S, dim], residual [B * S, dim]): the last
 # block's MLP output has not been added yet, so that the next fused add + RMSNorm kernel does the add
@@ -69,10 +64,8 @@ class DecodeKernels(Protocol):
         """(RMSNorm(residual + x) * weight, residual + x) in one kernel."""
         ...
 
-    def gate_up(self, gate: torch.Tensor, up: torch.Tensor) -> nn.Module:
-        """The MLP's gate and up projections [H, K] (w1, w3; column shards under tensor parallelism) with
-        SwiGLU: Activation [..., K] -> silu(x gate^T) * (x up^T) [..., H] in the form `weight`'s modules
-        take."""
+    def swiglu(self, gate_up: torch.Tensor) -> Activation:
+        """silu(gate) * up of bf16 rows [gate | up]."""
         ...
 
     def attend(
@@ -105,36 +98,6 @@ class Bf16Weight(nn.Module):
         return out.view(*x.shape[:-1], -1)
 
 
-def check_gate_up(gate: torch.Tensor, up: torch.Tensor) -> None:
-    if gate.shape != up.shape:
-        raise ValueError(
-            f"the MLP's gate (w1) and up (w3) projections must have one shape, got {tuple(gate.shape)} "
-            f"and {tuple(up.shape)}"
-        )
-
-
-class Bf16GateUp(nn.Module):
-    """The MLP's gate and up projections [H, K] as one bf16 weight [2H, K], their rows interleaved
-    (kernels.fp8_gemm.gate_up_rows): bf16 [..., K] -> silu(x gate^T) * (x up^T) [..., H], in one kernel
-    up to 64 tokens, beyond that F.linear and then the SwiGLU kernel."""
-
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor) -> None:
-        super().__init__()
-        check_gate_up(gate, up)
-        weight = gate.new_empty(2 * gate.shape[0], gate.shape[1])
-        for rows, part in zip(gate_up_rows(weight), (gate, up), strict=True):
-            rows.copy_(part.detach())
-        self.weight = nn.Parameter(weight, requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] > MAX_M:
-            out = swiglu(bf16_gemm(flat, self.weight), interleaved=True)
-        else:
-            out = swiglu_bf16_gemm(flat, self.weight)
-        return out.view(*x.shape[:-1], -1)
-
-
 class Bf16Kernels:
     """The bf16 decode path's kernels (DecodeKernels): activations stay bf16 tensors."""
 
@@ -149,8 +112,8 @@ class Bf16Kernels:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return add_rmsnorm(x, residual, weight, eps)
 
-    def gate_up(self, gate: torch.Tensor, up: torch.Tensor) -> Bf16GateUp:
-        return Bf16GateUp(gate, up)
+    def swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return swiglu(gate_up)
 
     def attend(
         self,
@@ -189,7 +152,7 @@ class DecodeBlock(nn.Module):
         self.qkv = kernels.weight(attn.wq.weight, attn.wk.weight, attn.wv.weight)
         self.qkv_sizes = [attn.wq.weight.shape[0], attn.wk.weight.shape[0], attn.wv.weight.shape[0]]
         self.wo = kernels.weight(attn.wo.weight, row_parallel=True)
-        self.w13 = kernels.gate_up(ffn.w1.weight, ffn.w3.weight)
+        self.w13 = kernels.weight(ffn.w1.weight, ffn.w3.weight)
         self.w2 = kernels.weight(ffn.w2.weight, row_parallel=True)
         self.attention_norm, self.ffn_norm = block.attention_norm, block.ffn_norm
         del attn.wq, attn.wk, attn.wv, attn.wo  # the unfused weights are no longer needed
@@ -214,7 +177,7 @@ class DecodeBlock(nn.Module):
         attn_out = self.reduce(self.wo(attended).view(bsz * seqlen, -1))
         # residual + attention output; its norm feeds the MLP.
         h, residual = kernels.add_norm(attn_out, residual, self.ffn_norm.weight, self.ffn_norm.eps)
-        mlp_out = self.reduce(self.w2(self.w13(h)))
+        mlp_out = self.reduce(self.w2(kernels.swiglu(self.w13(h))))
         return mlp_out.view(bsz, seqlen, dim), residual
 
 

@@ -2,17 +2,13 @@
 per output channel, and each block run on weft's fused FP8 kernels (model/decode.py's structure):
 
     (previous MLP output, residual) -> residual add + RMSNorm + quantize -> [wq|wk|wv] FP8 GEMM
-      -> attention + quantize -> wo FP8 GEMM -> residual add + RMSNorm + quantize
-      -> [w1|w3] FP8 GEMM + SwiGLU + per-token amax -> quantize + w2 FP8 GEMM
-      -> (MLP output, residual) to the next block
+      -> attention + quantize -> wo FP8 GEMM -> residual add + RMSNorm + quantize -> [w1|w3] FP8 GEMM
+      -> SwiGLU + quantize -> w2 FP8 GEMM -> (MLP output, residual) to the next block
 
 and after the last block: residual add + RMSNorm + quantize -> output FP8 GEMM -> logits.
 
-Activations get one scale per token, computed inside the norm and attention kernels; the MLP's hidden
-activation leaves the [w1|w3] GEMM in bf16 with its per-token amax in a workspace (PendingFp8), and
-the w2 GEMM quantizes it as it reads it (kernels/fp8_gemm.py). The projections that read the same
-input are fused into one weight, so each reads its input once and launches once. Beyond 64 tokens
-(prefill) the MLP runs unfused: GEMM, SwiGLU + quantize kernel, GEMM.
+Activations get one scale per token, computed inside the norm and SwiGLU kernels. The projections
+that read the same input are fused into one weight, so each reads its input once and launches once.
 
 serve.py quantizes each block as soon as it has its weights (model/decode.py's `convert_block`, parallel/'s
 `materialize` calling it block by block), so that the model never exists whole in bf16: Llama-3-70B in
@@ -26,16 +22,14 @@ weights.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import nn
 
 from kernels.fp8 import FP8, quantize_weight_per_channel
-from kernels.fp8_gemm import MAX_M, fp8_gemm, gate_up_rows, quantizing_fp8_gemm, swiglu_fp8_gemm
+from kernels.fp8_gemm import fp8_gemm
 from kernels.fp8_norm import add_rmsnorm_fp8, rmsnorm_fp8
 from kernels.fp8_swiglu import swiglu_fp8
-from model.decode import Hook, check_gate_up, convert_for_decode, identity
+from model.decode import Hook, convert_for_decode, identity
 from model.llama import Attention, Llama
 
 
@@ -49,15 +43,6 @@ def check_fp8_device(device: torch.device) -> None:
 
 # An activation in FP8: e4m3 [..., K] and its fp32 scales, one per token.
 Fp8Activation = tuple[torch.Tensor, torch.Tensor]
-
-
-class PendingFp8(NamedTuple):
-    """An activation on its way to FP8: the SwiGLU GEMM's bf16 output [..., K], whose per-token amax that
-    kernel left in the amax workspace (kernels.fp8_gemm.amax_workspace); the next GEMM quantizes it
-    as it reads it, and must be the next to read the workspace."""
-
-    values: torch.Tensor
-
 
 # Weights are quantized this many elements (whole rows) at a time: each row has its own scale, so the
 # result is the same, and the fp32 copies quantizing takes stay small (Llama-3-70B's output projection
@@ -74,81 +59,37 @@ def row_slices(weights: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
     return [w.detach()[start : start + rows] for w in weights for start in range(0, w.shape[0], rows)]
 
 
-def quantize_rows(
-    weights: tuple[torch.Tensor, ...], full_amax: Hook | None = None, interleave: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Linear weights [N_i, K] as one e4m3 weight [sum N_i, K] and its fp32 scales [sum N_i], one per
-    output channel: the weights one after the other, or (`interleave`, a gate and an up weight) their
-    rows alternating (kernels.fp8_gemm.gate_up_rows). Quantized a few rows at a time (row_slices)
-    straight into place. `full_amax`: the row-parallel shards' hook (module docstring)."""
-    rows, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
-    q = torch.empty((rows, k), dtype=FP8, device=weights[0].device)
-    scale = torch.empty(rows, dtype=torch.float32, device=weights[0].device)
-    if interleave:
-        targets = list(zip(gate_up_rows(q), gate_up_rows(scale), strict=True))
-    else:
-        sizes = [w.shape[0] for w in weights]
-        targets = list(zip(q.split(sizes), scale.split(sizes), strict=True))
-    amax = None
-    if full_amax is not None:  # the row-parallel shards' amax over the ranks, for all rows at once
-        amax = full_amax(torch.cat([part.float().abs().amax(dim=-1) for part in row_slices(weights)]))
-    done = 0  # rows of the weights before this one (amax's order)
-    for weight, (q_rows, scale_rows) in zip(weights, targets, strict=True):
-        start = 0
-        for part in row_slices((weight,)):
-            end = start + part.shape[0]
-            part_amax = None if amax is None else amax[done + start : done + end]
-            q_rows[start:end], scale_rows[start:end] = quantize_weight_per_channel(part, part_amax)
-            start = end
-        done += weight.shape[0]
-    return q, scale
-
-
 class Fp8Weight(nn.Module):
-    """One or more linear weights [N_i, K] concatenated and quantized: e4m3 [sum N_i, K] + fp32 [sum N_i].
-    Takes an Fp8Activation, or a PendingFp8 (up to 64 tokens) that it quantizes inside the GEMM."""
+    """One or more linear weights [N_i, K] concatenated and quantized: e4m3 [sum N_i, K] + fp32 [sum N_i]."""
 
     def __init__(self, *weights: torch.Tensor, full_amax: Hook | None = None) -> None:
         super().__init__()
-        q, scale = quantize_rows(weights, full_amax)
+        slices = row_slices(weights)
+        rows, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
+        q = torch.empty((rows, k), dtype=FP8, device=weights[0].device)
+        scale = torch.empty(rows, dtype=torch.float32, device=weights[0].device)
+        amax = None
+        if full_amax is not None:  # the row-parallel shards' amax over the ranks, for all rows at once
+            amax = full_amax(torch.cat([part.float().abs().amax(dim=-1) for part in slices]))
+        start = 0
+        for part in slices:
+            end = start + part.shape[0]
+            q[start:end], scale[start:end] = quantize_weight_per_channel(
+                part, None if amax is None else amax[start:end]
+            )
+            start = end
         self.register_buffer("weight", q)
         self.register_buffer("scale", scale)
 
-    def forward(self, x: Fp8Activation | PendingFp8) -> torch.Tensor:
-        if isinstance(x, PendingFp8):
-            h = x.values
-            out = quantizing_fp8_gemm(h.reshape(-1, h.shape[-1]), self.weight, self.scale)
-            return out.view(*h.shape[:-1], -1)
+    def forward(self, x: Fp8Activation) -> torch.Tensor:
         q, scale = x
         return fp8_gemm(q.reshape(-1, q.shape[-1]), scale, self.weight, self.scale).view(*q.shape[:-1], -1)
 
 
-class Fp8GateUp(nn.Module):
-    """The MLP's gate and up projections [H, K] quantized as one e4m3 weight [2H, K] + fp32 scales [2H],
-    rows interleaved (kernels.fp8_gemm.gate_up_rows): Fp8Activation [..., K] -> silu(x gate^T) *
-    (x up^T) [..., H]. Up to 64 tokens in one kernel, as a PendingFp8 that the w2 GEMM quantizes;
-    beyond, fp8_gemm and then the SwiGLU + quantize kernel, as an Fp8Activation."""
-
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor) -> None:
-        super().__init__()
-        check_gate_up(gate, up)
-        q, scale = quantize_rows((gate, up), interleave=True)
-        self.register_buffer("weight", q)
-        self.register_buffer("scale", scale)
-
-    def forward(self, x: Fp8Activation) -> Fp8Activation | PendingFp8:
-        q, scale = x
-        flat = q.reshape(-1, q.shape[-1])
-        if flat.shape[0] > MAX_M:
-            h, h_scale = swiglu_fp8(fp8_gemm(flat, scale, self.weight, self.scale), None, interleaved=True)
-            return h.view(*q.shape[:-1], -1), h_scale
-        return PendingFp8(swiglu_fp8_gemm(flat, scale, self.weight, self.scale).view(*q.shape[:-1], -1))
-
-
 class Fp8Kernels:
     """The FP8 decode path's kernels (model/decode.py's DecodeKernels): activations quantized per token
-    inside the norm and attention kernels and the w2 GEMM, weights per output channel (`channel_amax`:
-    the row-parallel shards' hook, module docstring)."""
+    inside the norm and SwiGLU kernels, weights per output channel (`channel_amax`: the row-parallel
+    shards' hook, module docstring)."""
 
     def __init__(self, channel_amax: Hook | None = None) -> None:
         self.channel_amax = channel_amax
@@ -165,8 +106,8 @@ class Fp8Kernels:
         q, scale, residual = add_rmsnorm_fp8(x, residual, weight, eps, None)
         return (q, scale), residual
 
-    def gate_up(self, gate: torch.Tensor, up: torch.Tensor) -> Fp8GateUp:
-        return Fp8GateUp(gate, up)  # column shards: their scales are their own
+    def swiglu(self, gate_up: torch.Tensor) -> Fp8Activation:
+        return swiglu_fp8(gate_up, None)
 
     def attend(
         self,

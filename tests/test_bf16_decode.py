@@ -16,16 +16,9 @@ import pytest
 import torch
 
 from model.args import ModelArgs
-from model.decode import (
-    Bf16GateUp,
-    Bf16Kernels,
-    Bf16Weight,
-    DecodeBlock,
-    convert_for_decode,
-    runs_bf16_decode_kernels,
-)
+from model.decode import Bf16Kernels, Bf16Weight, DecodeBlock, convert_for_decode, runs_bf16_decode_kernels
 from model.generate import DecodeStep, generate, prefill
-from model.llama import FeedForward, Llama
+from model.llama import Llama
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ARGS = dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=160, ffn_hidden=200)
@@ -77,19 +70,14 @@ def forced_logits(model: Llama, prompt: torch.Tensor, tokens: torch.Tensor, **st
 
 
 def assert_decodes_alike(
-    got: torch.Tensor,
-    ref: torch.Tensor,
-    min_clear: float = 0.5,
-    tol: float = 1e-2,
-    clear_gap: float = CLEAR_GAP,
+    got: torch.Tensor, ref: torch.Tensor, min_clear: float = 0.5, tol: float = 1e-2
 ) -> None:
     """Forced logits `got` as the stock model's `ref`: within `tol` at every step, the same argmax at every
-    clear step (top-two gap above `clear_gap`), and at least `min_clear` of the steps clear (the check is
-    not vacuous)."""
+    clear step, and most steps clear (the check is not vacuous)."""
     for i in range(ref.shape[0]):
         assert rel(got[i], ref[i]) < tol, f"step {i}: logits off by {rel(got[i], ref[i]):.3g}"
     top = ref.topk(2, dim=-1).values
-    clear = top[..., 0] - top[..., 1] > clear_gap
+    clear = top[..., 0] - top[..., 1] > CLEAR_GAP
     assert clear.float().mean() >= min_clear, f"only {clear.float().mean():.0%} of the steps are clear"
     differ = (got.argmax(-1) != ref.argmax(-1)) & clear
     assert not differ.any(), f"other tokens at clear (step, row): {differ.nonzero().tolist()}"
@@ -146,21 +134,6 @@ def test_bf16_weight_fuses_and_keeps() -> None:
     assert torch.equal(fused.weight, torch.cat([a, b])) and not fused.weight.requires_grad
     single = torch.nn.Parameter(a)
     assert Bf16Weight(single).weight is single
-
-
-@pytest.mark.parametrize("tokens", [5, 70])
-def test_bf16_mlp_fused_and_beyond_64_tokens(tokens: int) -> None:
-    """The decode block's bf16 MLP as the FeedForward: up to 64 tokens [w1|w3] with SwiGLU in its
-    epilogue, beyond F.linear and the SwiGLU kernel; w1 and w3's rows interleaved, not copied twice."""
-    ff = FeedForward(128, 200).to(DEVICE, torch.bfloat16)
-    x = torch.randn(tokens, 128, device=DEVICE).to(torch.bfloat16)
-    w13, w2 = Bf16GateUp(ff.w1.weight, ff.w3.weight), Bf16Weight(ff.w2.weight)
-    assert torch.equal(w13.weight[0::2], ff.w1.weight) and torch.equal(w13.weight[1::2], ff.w3.weight)
-    assert not w13.weight.requires_grad
-    with torch.no_grad():
-        assert rel(w2(w13(x)), ff(x)) < 1e-2
-    with pytest.raises(ValueError, match="one shape"):
-        Bf16GateUp(ff.w1.weight, ff.w3.weight[:-1])
 
 
 def _tp_bf16_decode_tracks_stock(rank: int, world: int) -> None:

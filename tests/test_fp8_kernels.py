@@ -15,14 +15,8 @@ from kernels.fp8_gemm import (
     bf16_gemm_reference,
     fp8_gemm,
     fp8_gemm_reference,
-    gate_up_rows,
-    quantizing_fp8_gemm,
     skinny_bf16_gemm,
     skinny_fp8_gemm,
-    skinny_quantizing_fp8_gemm,
-    skinny_swiglu_bf16_gemm,
-    skinny_swiglu_fp8_gemm,
-    swiglu_fp8_gemm,
 )
 from kernels.fp8_norm import (
     add_rmsnorm,
@@ -125,20 +119,6 @@ def test_swiglu(poisoned: None, rows: int, hidden: int, mode: str) -> None:
     assert rel_err(dequantize(q, scales), dequantize(ref_q, ref_scales)) < 2e-2
 
 
-@pytest.mark.parametrize("rows", [1, 17])
-@pytest.mark.parametrize("mode", ["dynamic", "bf16"])
-def test_swiglu_interleaved(poisoned: None, rows: int, mode: str) -> None:
-    """Rows of (gate, up) pairs, as the [w1|w3] GEMM with interleaved weight rows writes them."""
-    x = bf16(rows, 2 * 1000, scale=2.0)
-    if mode == "bf16":
-        assert rel_err(swiglu(x, interleaved=True), swiglu_reference(x, interleaved=True)) < 1e-2
-        return
-    q, scales = swiglu_fp8(x, None, interleaved=True)
-    ref_q, ref_scales = swiglu_fp8_reference(x, None, interleaved=True)
-    torch.testing.assert_close(scales, ref_scales, rtol=1e-4, atol=0)
-    assert rel_err(dequantize(q, scales), dequantize(ref_q, ref_scales)) < 2e-2
-
-
 def test_quantize_per_token(poisoned: None) -> None:
     x = bf16(5, 777, scale=4.0)
     q, scales = quantize_per_token(x)
@@ -221,75 +201,6 @@ def test_skinny_bf16_gemm_without_early_tile(poisoned: None, m: int, n: int, k: 
     assert rel_err(skinny_bf16_gemm(a, b, config), bf16_gemm_reference(a, b)) < 1e-2
 
 
-# SwiGLU GEMMs: N = 2H (H = 300 and 228: ragged against every BLOCK_N / 2), ragged K; the heuristic's
-# config (no split at these K), swapped tiles without a split, unswapped tiles split 2-3 ways; each
-# M of 1, 3, 16 and 64 on each shape at least once. H is w2's K: the kernels scale by 1 / scale where
-# quantize_reference divides, which now and then rounds one value to the neighbouring e4m3 step, and
-# over a few dozen terms of K that one value alone moved a row by 4%.
-SWAPPED, SPLIT = GemmConfig(64, 128, 1, swap_ab=True), GemmConfig(32, 128, 3)
-SWIGLU_CASES = [
-    (1, 600, 256, None),
-    (16, 600, 256, None),
-    (3, 456, 1000, None),
-    (64, 456, 1000, None),
-    (64, 600, 256, SWAPPED),
-    (1, 456, 1000, SWAPPED),
-    (3, 600, 256, SPLIT),
-    (1, 600, 256, SPLIT),
-    (16, 456, 1000, SPLIT),
-    (64, 456, 1000, SPLIT),
-]
-
-
-def amax_slots(device: torch.device) -> torch.Tensor:
-    return gemm_module.amax_workspace(device)[: gemm_module.MAX_M].view(torch.float32)
-
-
-@pytest.mark.parametrize(("m", "n", "k", "config"), SWIGLU_CASES)
-def test_swiglu_fp8_gemm_then_quantizing_gemm(
-    poisoned: None, m: int, n: int, k: int, config: GemmConfig | None
-) -> None:
-    """An FP8 MLP on two kernels, called twice in a row: [w1|w3] with the SwiGLU epilogue (bf16 h, its
-    per-token amax into the workspace), then w2 quantizing h in the kernel and re-arming the workspace.
-    Against F.linear -> silu * up -> quantize_reference -> the FP8 GEMM reference. The second call's
-    inputs are 100x smaller: an amax left from the first would show in its workspace and scales."""
-    device = torch.device(DEVICE)
-    w13, w13_scale = quantize_weight_per_channel(bf16(n, k, scale=0.05))  # rows taken as interleaved
-    w2, w2_scale = quantize_weight_per_channel(bf16(96, n // 2, scale=0.05))
-    for scale in (1.0, 0.01):
-        a, a_scale = quantize_per_token(bf16(m, k, scale=scale))
-        h = skinny_swiglu_fp8_gemm(a, a_scale, w13, w13_scale, config)
-        gate_up = (a.float() @ w13.float().t()) * a_scale[:, None] * w13_scale
-        assert h.dtype == torch.bfloat16 and h.shape == (m, n // 2)
-        assert rel_err(h, swiglu_reference(gate_up, interleaved=True)) < 1e-2
-        assert torch.equal(amax_slots(device)[:m], h.float().abs().amax(dim=-1))
-        out = skinny_quantizing_fp8_gemm(h, w2, w2_scale, config)
-        assert out.shape == (m, 96)
-        assert rel_err(out, fp8_gemm_reference(*quantize_reference(h), w2, w2_scale)) < 1e-2
-        assert not gemm_module.amax_workspace(device).any(), "the amax workspace was not re-armed"
-
-
-@pytest.mark.parametrize(("m", "n", "k", "config"), SWIGLU_CASES)
-def test_swiglu_bf16_gemm(poisoned: None, m: int, n: int, k: int, config: GemmConfig | None) -> None:
-    """The bf16 [w1|w3] GEMM with the SwiGLU epilogue against F.linear of the gate and the up rows."""
-    a, w13 = bf16(m, k), bf16(n, k, scale=0.05)
-    if config is not None:  # bf16 tiles: half the e4m3 block_k
-        config = GemmConfig(config.block_n, config.block_k // 2, config.split_k, swap_ab=config.swap_ab)
-    h = skinny_swiglu_bf16_gemm(a, w13, config)
-    gate, up = gate_up_rows(w13)
-    ref = torch.nn.functional.silu(torch.nn.functional.linear(a.float(), gate.float()))
-    assert h.shape == (m, n // 2)
-    assert rel_err(h, ref * torch.nn.functional.linear(a.float(), up.float())) < 1e-2
-
-
-def test_gate_up_rows_alternate() -> None:
-    fused = torch.arange(12.0).view(6, 2)
-    gate, up = gate_up_rows(fused)
-    assert torch.equal(gate, fused[0::2]) and torch.equal(up, fused[1::2])
-    gate.zero_()  # views: writing them fills the fused weight
-    assert not fused[0::2].any()
-
-
 def test_bf16_gemm_op_hands_large_m_to_linear(poisoned: None) -> None:
     """bf16_gemm: the skinny kernel up to M = 64 (its heuristic config: half the e4m3 block_k), then
     F.linear; the split-K workspace is left EMPTY."""
@@ -328,39 +239,29 @@ def check_sm90_ptx() -> None:
     wgmma instructions pipelined (ptxas serializes them if anything reads their accumulators while
     they run, as an early tile promoted inside the MMA chain did: up to 35% slower on H200); swapped
     tiles run on wgmma, and M <= 16 configs without the early tile fit two programs per SM, which is
-    what they are for. The same for bf16 operands (no scales), and the heuristic's configs with the
-    SwiGLU epilogue (e4m3: with its atomic amax) and with A quantized in the kernel. Runs without
-    TRITON_INTERPRET (tests/sm90.py)."""
+    what they are for. The same for bf16 operands (no scales). Runs without TRITON_INTERPRET
+    (tests/sm90.py)."""
     ints = ["M", "N", "K", "k_per_split", "stride_am", "stride_bn", "stride_om"]
     aligned = ["a_ptr", "b_ptr", "out_ptr", "partial_ptr", "N", "K", "k_per_split", "stride_am", "stride_bn"]
-    cases = {}  # (dtype, mode, BLOCK_M, config), each once
+    cases = {}  # (dtype, BLOCK_M, config), each once
     for key, cfg in gemm_module.TUNED[gemm_module.REFERENCE_GPU].items():
         dtype = "bf16" if key.startswith("bf16,") else "fp8"
-        cases[(dtype, "plain", int(key.removeprefix("bf16,").split(",")[0]), cfg)] = None
-    for dtype, element_bytes, modes in (
-        ("fp8", 1, ("plain", "swiglu", "quantize_a")),
-        ("bf16", 2, ("plain", "swiglu")),
-    ):
+        cases[(dtype, int(key.removeprefix("bf16,").split(",")[0]), cfg)] = None
+    for dtype, element_bytes in (("fp8", 1), ("bf16", 2)):
         for m in (1, 64):
             cfg = gemm_module.heuristic_config(m, 2304, 16384, element_bytes=element_bytes)
-            for mode in modes:
-                cases[(dtype, mode, gemm_module.m_bucket(m), cfg)] = None
+            cases[(dtype, gemm_module.m_bucket(m), cfg)] = None
     assert any(not cfg.early_tile for *_, cfg in cases) and any(cfg.early_tile for *_, cfg in cases)
-    for dtype, mode, block_m, cfg in cases:
-        scaled = dtype == "fp8"
-        operand = "*fp8e4nv" if scaled else "*bf16"
-        names = ("a", "b", "a_scale", "b_scale", "out", "partial", "amax")
-        a_type = "*bf16" if mode == "quantize_a" else operand
-        types = (a_type, operand, "*fp32", "*fp32", "*bf16", "*fp32", "*i32")
+    for dtype, block_m, cfg in cases:
+        operand, scaled = ("*fp8e4nv", True) if dtype == "fp8" else ("*bf16", False)
+        names = ("a", "b", "a_scale", "b_scale", "out", "partial")
+        types = (operand, operand, "*fp32", "*fp32", "*bf16", "*fp32")
         signature = {f"{name}_ptr": t for name, t in zip(names, types, strict=True)}
         signature |= dict.fromkeys(ints, "i32")
         constexprs = dict(
             SCALED=scaled,
-            A_PER_TOKEN=scaled and mode != "quantize_a",
+            A_PER_TOKEN=scaled,
             B_PER_CHANNEL=scaled,
-            QUANTIZE_A=mode == "quantize_a",
-            SWIGLU=mode == "swiglu",
-            OUT_AMAX=mode == "swiglu" and scaled,
             BLOCK_M=block_m,
             BLOCK_N=cfg.block_n,
             BLOCK_K=cfg.block_k,
@@ -379,12 +280,11 @@ def check_sm90_ptx() -> None:
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
-        where = f"{dtype} {mode} M <= {block_m}, {cfg}"
+        where = f"{dtype} M <= {block_m}, {cfg}"
         assert "serialized" not in ptxas_log(compiled.asm["ptx"]), f"{where}: wgmma serialized"
         if cfg.swap_ab:
             assert "wgmma.mma_async" in compiled.asm["ptx"], f"{where}: no wgmma"
-        # quantize_a stages bf16 A tiles, twice the bytes of e4m3 ones: at 5 stages one program per SM.
-        if block_m <= 16 and not cfg.early_tile and mode != "quantize_a":
+        if block_m <= 16 and not cfg.early_tile:
             assert 2 * compiled.metadata.shared <= MAX_SHARED_BYTES, f"{where}: one program per SM"
 
 
@@ -497,12 +397,6 @@ def test_bad_inputs_fail_clearly() -> None:
         rmsnorm_fp8(bf16(2, 64), bf16(32), 1e-5, None)
     with pytest.raises(ValueError, match="2 \\* hidden"):
         swiglu_fp8(bf16(2, 63), None)
-    with pytest.raises(ValueError, match="even N"):
-        skinny_swiglu_fp8_gemm(a, a_scale, b[:31], b_scale[:31])
-    with pytest.raises(ValueError, match="SwiGLU kernel"):
-        skinny_swiglu_bf16_gemm(bf16(65, 64), bf16(32, 64))
-    with pytest.raises(ValueError, match="bfloat16 A and float8_e4m3fn B"):
-        skinny_quantizing_fp8_gemm(a, b, b_scale)
 
 
 # Realistic decode shapes on the GPU: one program per row and persistent launches, with and without
@@ -603,39 +497,3 @@ def test_bf16_gemm_realistic(monkeypatch: pytest.MonkeyPatch, pdl: bool, m: int,
     monkeypatch.setattr(fp8, "USE_PDL", pdl)
     a, b = bf16(m, k), bf16(n, k, scale=0.02)
     assert rel_err(_graph_calls(lambda: bf16_gemm(a, b)), bf16_gemm_reference(a, b)) < 1e-2
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("pdl", [True, False])
-@pytest.mark.parametrize("m", [1, 16, 64])
-def test_swiglu_gemms_realistic(monkeypatch: pytest.MonkeyPatch, pdl: bool, m: int) -> None:
-    """Llama-3-8B's FP8 MLP on the two fused kernels ([w1|w3] 28672 x 4096 with the SwiGLU epilogue, w2
-    4096 x 14336 quantizing its input), three times back to back in a CUDA graph: each w2 call re-arms
-    the amax workspace for the next [w1|w3] call, and under PDL reads it only once the kernel before
-    it is done."""
-    from kernels import fp8
-
-    monkeypatch.setattr(fp8, "USE_PDL", pdl)
-    a, a_scale = quantize_per_token(bf16(m, 4096))
-    w13, w13_scale = quantize_weight_per_channel(bf16(2 * 14336, 4096, scale=0.02))
-    w2, w2_scale = quantize_weight_per_channel(bf16(4096, 14336, scale=0.02))
-
-    def mlp() -> tuple[torch.Tensor, torch.Tensor]:
-        h = swiglu_fp8_gemm(a, a_scale, w13, w13_scale)
-        return h, quantizing_fp8_gemm(h, w2, w2_scale)
-
-    h, out = _graph_calls(mlp)
-    gate_up = (a.float() @ w13.float().t()) * a_scale[:, None] * w13_scale
-    assert rel_err(h, swiglu_reference(gate_up, interleaved=True)) < 1e-2
-    assert rel_err(out, fp8_gemm_reference(*quantize_reference(h), w2, w2_scale)) < 1e-2
-    assert not gemm_module.amax_workspace(a.device).any()
-
-
-@pytest.mark.gpu
-def test_amax_workspace_is_not_allocated_inside_capture(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gemm_module, "_AMAX_WORKSPACES", {})
-    a, a_scale = quantize_per_token(bf16(4, 512))
-    w13, w13_scale = quantize_weight_per_channel(bf16(256, 512))
-    graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="warm-up"), torch.cuda.graph(graph):
-        swiglu_fp8_gemm(a, a_scale, w13, w13_scale)
