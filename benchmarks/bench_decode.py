@@ -26,7 +26,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from benchmarks.common import refuse_shared_gpu, write_results
+from benchmarks.common import add_decode_shape_args, refuse_shared_gpu, write_results
 from configs.schema import register_configs
 from model.memory import check_serving_fits
 from parallel import distributed
@@ -45,10 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="llama3_8b")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--decode-steps", type=int, default=128)
+    add_decode_shape_args(parser, [1, 8, 32])
     parser.add_argument("--fp8", action="store_true", help="also run the FP8 decode path")
     parser.add_argument("--fp8-only", action="store_true", help="run the FP8 decode path only (no bf16 rows)")
     parser.add_argument(

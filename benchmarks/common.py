@@ -6,6 +6,7 @@ Every benchmark prints a markdown table and writes `benchmarks/results/<name>-<d
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -152,3 +153,12 @@ def write_results(
     stem.with_suffix(".md").write_text(header + (notes + "\n\n" if notes else "") + table)
     print(table)
     return stem.with_suffix(".md")
+
+
+def add_decode_shape_args(parser: argparse.ArgumentParser, batch_sizes: list[int]) -> None:
+    """The decode benchmarks' shared options: model preset, batch sizes, prompt length and decode steps
+    (the cache holds prompt + steps positions, so that their rooflines agree)."""
+    parser.add_argument("--model", default="llama3_8b")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=batch_sizes)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--decode-steps", type=int, default=128, help="cache = prompt + this")

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from benchmarks.bench_bf16_gemm import gemms_of, preset_args
 from benchmarks.bench_fp8_floors import BLOCKS, WARPS, launch, read_floor, read_kernel
-from benchmarks.common import time_graph, write_results
+from benchmarks.common import add_decode_shape_args, time_graph, write_results
 from kernels.decode_attention import num_splits
 from kernels.fp8 import FP8, pdl_wait
 from model.args import ModelArgs
@@ -189,10 +189,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="llama3_8b")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--decode-steps", type=int, default=128)
+    add_decode_shape_args(parser, [1, 8])
     opts = parser.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         raise SystemExit("decode_floor.py needs a Hopper (or newer) GPU: its kernels launch with PDL")

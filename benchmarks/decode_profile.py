@@ -32,7 +32,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 import kernels.fp8
-from benchmarks.common import time_events, write_results
+from benchmarks.common import add_decode_shape_args, time_events, write_results
 from configs.schema import register_configs
 from model.generate import DecodeStep, prefill
 from model.llama import Llama
@@ -163,10 +163,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="llama3_8b")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--decode-steps", type=int, default=128, help="cache = prompt + this")
+    add_decode_shape_args(parser, [1, 8])
     parser.add_argument("--replays", type=int, default=20, help="graph replays profiled")
     parser.add_argument("--fp8", action="store_true", help="also profile the FP8 decode path")
     parser.add_argument("--compile", action="store_true", help="also profile the compiled decode step")
