@@ -85,14 +85,14 @@ def step_ops(
     kv = 2 * batch * args.n_kv_heads * cache_len * args.head_dim * 2
     group = args.n_heads // args.n_kv_heads
     splits = num_splits(batch, args.n_kv_heads, group, args.head_dim, cache_len, device)
-    partials = batch * args.n_heads * splits * args.head_dim * 2  # fp32 partials, as bf16 pairs
+    partials = batch * args.n_heads * splits * args.head_dim  # fp32 partial outputs of the splits
     glue = structure != "GEMMs and attention only"
     norm = Op("add+norm", rows=batch * args.dim, row_dtype=act, two_outputs=True)
     gemm = {name: Op(name, reads=n * k * weight_bytes) for name, n, k in gemms_of(args)}
     layer = [norm] if glue else []
     layer += [gemm["wqkv"], Op("attention", reads=kv)]
     if structure.startswith("2-launch"):
-        layer.append(Op("attention combine", rows=partials // 2))
+        layer.append(Op("attention combine", rows=partials))  # two bf16 inputs: the fp32 bytes
     layer.append(gemm["wo"])
     layer += [norm] if glue else []
     layer.append(gemm["w13"])
@@ -148,7 +148,11 @@ STRUCTURES = [
 ]
 
 
-def floor_rows(args: ModelArgs, batch: int, cache_len: int, fp8: bool, bandwidth: float) -> list[dict]:
+def floor_rows(
+    args: ModelArgs, batch: int, cache_len: int, fp8: bool, bandwidth: float
+) -> list[dict[str, object]]:
+    """One row per launch structure (and one for a single read of every byte): the chain's time beside
+    the roofline of the same bytes at `bandwidth` (bytes/s)."""
     ops = {s: step_ops(args, batch, cache_len, fp8, s, torch.device("cuda")) for s in STRUCTURES}
     read_bytes = sum(op.reads for op in ops[STRUCTURES[0]])
     configs = {size: best_read_config(size) for size in {op.reads for op in ops[STRUCTURES[0]] if op.reads}}
