@@ -17,8 +17,10 @@ structure can beat it, so roofline / floor is the most of the roofline such a st
 
 Rows per (dtype, batch), by launch structure:
 - "2-launch attention, SwiGLU kernel": per layer add+norm, qkv, attention split + combine, wo, add+norm,
-  w13, SwiGLU, w2; then add+norm and the output projection (weft's step as it runs);
-- "1-launch attention, SwiGLU kernel": the combine folded into the attention kernel;
+  w13, SwiGLU, w2; then add+norm and the output projection (weft's step before decode attention ran
+  in one launch);
+- "1-launch attention, SwiGLU kernel": the combine folded into the attention kernel (weft's step as it
+  runs);
 - "1-launch attention, SwiGLU in w13": also no SwiGLU kernel;
 - "GEMMs and attention only": every glue kernel gone (norms fused into the GEMMs as well);
 - "one kernel": all the step's bytes read by one launch.

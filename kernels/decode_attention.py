@@ -9,15 +9,18 @@ in bf16 or quantized to e4m3 with one scale per token (the kernels.fp8 rule) for
     k_cache, v_cache [B, Hkv, L, D]          (rotated k and v written at the position)
     -> out [B, 1, Hq * D] bf16, or (e4m3 [B, 1, Hq * D], fp32 scales [B])
 
-Two kernels. The first runs a program per (sequence, kv head, split of the positions): it rotates the
+One kernel, one launch, a program per (sequence, kv head, split of the positions): it rotates the
 G = Hq / Hkv query heads of its kv head in registers and scores them together with tl.dot (G padded to
 16 rows, the smallest MMA), keeping an online softmax in fp32 over its share of the cached positions;
 the program whose share holds the current position also rotates the new k, writes k and v to the cache
-and folds them in from registers, so no program reads a cache row written in the same launch. Its
-partial output, running max and sum go to a small fp32 workspace. The second kernel runs a program per
-(sequence, kv head) that weighs the splits together and writes the bf16 output; for FP8 the last of a
-sequence's programs to finish (an atomic counter) reads the whole bf16 row back, takes its amax and
-quantizes it, so the per-token scale covers every head without a third launch.
+and folds them in from registers, so no program reads a cache row written in the same launch. Each
+program stores its partial output, running max and sum to a small fp32 workspace and counts itself in
+with an atomic; the last split of a (sequence, kv head) to arrive reads every split's partials back and
+weighs them into the bf16 output ("split-K with last-arriver reduction"; with one split its program
+writes the output directly). For FP8 the last kv head of a sequence to finish (a second count) reads
+the whole bf16 row back, takes its amax and quantizes it, so the per-token scale covers every head.
+The counts live in a persistent zeroed per-device workspace (arrival_counters) that each last arriver
+sets back to 0, so a CUDA graph's replays reuse it as is.
 
 Why this shape:
 - Reading the cache is the whole cost (Llama-3-8B, 640 positions: 2.6 MB a layer, about 0.9 us on an
@@ -29,25 +32,26 @@ Why this shape:
 - Grouping the G query heads of a kv head into one program reads each cached row once for all of them.
 - The position, the rotary rows and the cache rows before the position are no output of the kernel
   before this op (the cache was written at earlier steps), so under programmatic dependent launch
-  (kernels.fp8) the first kernel issues them, its first tile of keys and values included, before it
-  waits on the qkv projection: at batch 1 and short caches, where each split is one tile, the whole
-  cache read overlaps the projection's tail.
-- Split counts are powers of two: about SPLIT_PROGRAMS_PER_SM programs per SM (the first kernel takes
-  ~230 registers a thread at 4 warps, so two fit an SM), no share of the full cache below
-  MIN_POSITIONS_PER_SPLIT, and at most what one combine program holds in registers (COMBINE_ELEMENTS
-  partial outputs, MAX_SPLITS). These trade the first kernel's occupancy against the combine's reads
-  (B * Hq * splits * D * 4 bytes). Swept on one H100 (bench_decode_attention --sweep, Llama-3-8B heads,
-  decode_attention_sweep-h100.md): 32 rather than 64 positions per split at least takes batch 1 at 640
-  positions from 8.58 to 7.40 us (16 splits, each one tile, all loaded before the PDL wait) and is as
-  fast elsewhere; 32-position tiles gain there too (7.14 us) but lose 5% at 4096 positions; 4 programs
-  per SM lose at batch 8.
-- Measured on one H100 (decode_attention-h100.md, one layer at the cache's last slot): at batch 1 and
-  640 positions the op is latency-bound (8.5 us with 64-position splits, against 15.7 us for the
-  compiled stock path and a 0.9 us read floor): two dependent launches and a few dependent loads each.
-  From 4096 positions up it streams: 85% of the copy-bandwidth floor at batch 1 and 32768 positions,
-  100% at batch 8.
-- The second kernel is a separate launch rather than the last split program of each kv head: stream
-  order makes the partials visible without fences, and under PDL its launch overlaps the first one.
+  (kernels.fp8) the kernel issues them, its first tile of keys and values included, before it waits on
+  the qkv projection: at batch 1 and short caches, where each split is one tile, the whole cache read
+  overlaps the projection's tail.
+- Split counts are powers of two: about SPLIT_PROGRAMS_PER_SM programs per SM (the kernel takes ~230
+  registers a thread at 4 warps, so two fit an SM), no share of the full cache below
+  MIN_POSITIONS_PER_SPLIT, and at most what the combining program loads at once (COMBINE_ELEMENTS
+  partial outputs, MAX_SPLITS). These trade occupancy against the combine's reads
+  (B * Hq * splits * D * 4 bytes). Swept on one H100 with the earlier two-launch form
+  (bench_decode_attention --sweep, Llama-3-8B heads, decode_attention_sweep-h100.md): 32 rather than
+  64 positions per split at least takes batch 1 at 640 positions from 8.58 to 7.40 us (16 splits, each
+  one tile, all loaded before the PDL wait) and is as fast elsewhere; 32-position tiles gain there too
+  (7.14 us) but lose 5% at 4096 positions; 4 programs per SM lose at batch 8.
+- One launch rather than two. In the earlier form (a split kernel, then a combine kernel per
+  (sequence, kv head)) the op was latency-bound at decode sizes, the second launch and its dependent
+  loads a large part of it. One layer of Llama-3-8B at 640 positions (bench_decode_attention, bf16):
+  batch 1 8.5 -> 5.7 us (H100) and 7.3 -> 5.6 us (H200), batch 8 15.7 -> 14.3 and 14.1 -> 12.9 us. In
+  the compiled decode step on one H200 (bench_decode --fp8 --compile, ms per token at batch 1 / 8): FP8
+  2.565 / 2.866 -> 2.534 / 2.841, bf16 4.199 / 4.538 -> 4.210 / 4.524 (unchanged). The price is a fence
+  (barrier + acquire-release atomic) per program and the partials read back from L2 by the last arriver
+  instead of by a second grid that stream order makes wait.
 """
 
 from __future__ import annotations
@@ -70,17 +74,24 @@ from kernels.fp8 import (
     quantize_reference,
     store_row,
 )
+from kernels.workspace import Workspaces, persistent_workspace
 
-BLOCK_N = 64  # cached positions per tile of the first kernel
+BLOCK_N = 64  # cached positions per tile
 MIN_POSITIONS_PER_SPLIT = 32
 SPLIT_PROGRAMS_PER_SM = 2
-# fp32 partial outputs one combine program loads at once (32 per thread at 16 warps), and its splits.
+NUM_WARPS = 4
+# fp32 partial outputs the combining program of a kv head loads at once, and its splits. At 4 warps
+# that is 128 a thread, yet ptxas (sm_90) holds the whole [G, splits, D] load without spilling and
+# without raising the kernel's registers above those of its attention part (~232 at head dim 128,
+# ~254 at 64: check_sm90_ptx in tests/test_decode_attention.py), so it stays one load rather than a
+# loop over the splits, which would add an L2 round trip per step to the last arriver's latency.
 COMBINE_ELEMENTS = 16384
 MAX_SPLITS = 64
 # The running max of a split that has seen no position yet: finite, so that exp2(m_old - m_new) is 0
 # rather than NaN when a split turns out empty; the combine gives such a split zero weight.
 EMPTY_MAX = tl.constexpr(-1e30)
 LOG2E = 1.4426950408889634
+_COUNTERS: Workspaces = {}
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -99,14 +110,14 @@ def num_splits(
 ) -> int:
     """Splits of the positions per (sequence, kv head): a power of two, about SPLIT_PROGRAMS_PER_SM
     programs per SM, none with a share of the full cache below MIN_POSITIONS_PER_SPLIT, and few enough
-    that the combine holds a kv head's partial outputs (group x splits x head_dim) in registers."""
+    that the combining program loads a kv head's partial outputs (group x splits x head_dim) at once."""
     wanted = triton.cdiv(programs_cap(device) * SPLIT_PROGRAMS_PER_SM, batch * n_kv_heads)
     wanted = min(wanted, triton.cdiv(cache_len, MIN_POSITIONS_PER_SPLIT))
     return _floor_power_of_2(max(1, min(wanted, max_splits(group, head_dim))))
 
 
 def max_splits(group: int, head_dim: int) -> int:
-    """The most splits a combine program takes: MAX_SPLITS, or fewer for a large group x head dim."""
+    """The most splits the combining program takes: MAX_SPLITS, or fewer for a large group x head dim."""
     return _floor_power_of_2(min(MAX_SPLITS, COMBINE_ELEMENTS // (triton.next_power_of_2(group) * head_dim)))
 
 
@@ -169,7 +180,56 @@ def _attend_tile(
 
 
 @triton.jit
-def _decode_attention_split_kernel(
+def _combine_splits(o_part_ptr, m_part_ptr, l_part_ptr, heads, row_mask, dim, SPLITS: tl.constexpr,
+                    D: tl.constexpr):  # fmt: skip
+    """The attention output [rows, D] of the query heads `heads` from their splits' partials: each
+    split weighed by exp2(its max - the overall max), over the splits' weighted sums. .cg: read from
+    L2, where the other programs' stores are, not from this SM's L1."""
+    splits = tl.arange(0, SPLITS)
+    part = heads[:, None] * SPLITS + splits[None, :]
+    mask = row_mask[:, None]
+    m = tl.load(m_part_ptr + part, mask=mask, other=EMPTY_MAX, cache_modifier=".cg")
+    l_split = tl.load(l_part_ptr + part, mask=mask, other=0.0, cache_modifier=".cg")
+    weight = tl.exp2(m - tl.max(m, axis=1)[:, None])
+    # Padding rows (past G) have no sum: 1 rather than 0 / 0.
+    total = tl.where(row_mask, tl.sum(l_split * weight, axis=1), 1.0)
+    o = tl.load(
+        o_part_ptr + part[:, :, None] * D + dim[None, None, :],
+        mask=mask[:, :, None],
+        other=0.0,
+        cache_modifier=".cg",
+    )
+    return tl.sum(o * weight[:, :, None], axis=1) / total[:, None]
+
+
+@triton.jit
+def _write_output(out, rows, out_ptr, fp8_ptr, scale_ptr, seq_counter_ptr, b, h, n_kv_heads,
+                  G: tl.constexpr, D: tl.constexpr, ROW_PAD: tl.constexpr, FP8_OUT: tl.constexpr,
+                  SNAP: tl.constexpr):  # fmt: skip
+    """Store a kv head's output rows [rows, D] (fp32) in out_ptr's dtype; for FP8 the last kv head of
+    the sequence to get here then quantizes the sequence's whole row: the per-token scale needs every
+    head's output. It re-arms the sequence's arrival count for the next call."""
+    row_len = n_kv_heads * G * D
+    out_row = out_ptr + b.to(tl.int64) * row_len
+    tl.store(
+        out_row + (h * G + rows)[:, None] * D + tl.arange(0, D)[None, :],
+        downcast(out, out_ptr.dtype.element_ty, SNAP),
+        mask=(rows < G)[:, None],
+    )
+    if FP8_OUT:
+        # The barrier orders every thread's stores before the count.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(seq_counter_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_kv_heads - 1:
+            tl.store(seq_counter_ptr, 0)
+            cols = tl.arange(0, ROW_PAD)
+            inside = cols < row_len
+            x = tl.load(out_row + cols, mask=inside, other=0.0, cache_modifier=".cg").to(tl.float32)
+            store_row(x, fp8_ptr, b, row_len, cols, inside, scale_ptr, 1.0, QUANT=2, SNAP=SNAP)
+
+
+@triton.jit
+def _decode_attention_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
@@ -180,10 +240,12 @@ def _decode_attention_split_kernel(
     o_part_ptr,
     m_part_ptr,
     l_part_ptr,
+    out_ptr,
+    fp8_ptr,
+    scale_ptr,
     counter_ptr,
     n_kv_heads,
     cache_len,
-    n_splits,
     stride_q,
     stride_k,
     stride_v,
@@ -193,8 +255,12 @@ def _decode_attention_split_kernel(
     qk_scale,
     G: tl.constexpr,
     G_PAD: tl.constexpr,
+    G_ROWS: tl.constexpr,
     D: tl.constexpr,
+    SPLITS: tl.constexpr,
+    ROW_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
+    FP8_OUT: tl.constexpr,
     SNAP: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -208,7 +274,7 @@ def _decode_attention_split_kernel(
     # This split's share of the positions 0 .. pos; a position past the cache (a caller's error) is
     # neither read nor written.
     n_positions = tl.minimum(pos + 1, cache_len)
-    share = tl.cdiv(n_positions, n_splits)
+    share = tl.cdiv(n_positions, SPLITS)
     start = split * share
     end = tl.minimum(start + share, n_positions)
     holds_pos = (start <= pos) & (pos < end)
@@ -240,9 +306,6 @@ def _decode_attention_split_kernel(
     if holds_pos:
         tl.store(k_cache_ptr + cache + pos * D + dim[None, :], k_new)
         tl.store(v_cache_ptr + cache + pos * D + dim[None, :], v_new)
-    if (h == 0) & (split == 0):
-        # Reset the sequence's arrival count for the combine kernel's FP8 quantize.
-        tl.store(counter_ptr + b, 0)
 
     m_i = tl.full([G_PAD], EMPTY_MAX, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -264,66 +327,30 @@ def _decode_attention_split_kernel(
     acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)
     m_i = m_new
 
-    part = ((b64 * n_kv_heads + h) * G + rows) * n_splits + split
-    tl.store(o_part_ptr + part[:, None] * D + dim[None, :], acc, mask=row_mask)
-    tl.store(m_part_ptr + part, m_i, mask=rows < G)
-    tl.store(l_part_ptr + part, l_i, mask=rows < G)
-
-
-@triton.jit
-def _decode_attention_combine_kernel(
-    o_part_ptr,
-    m_part_ptr,
-    l_part_ptr,
-    out_ptr,
-    fp8_ptr,
-    scale_ptr,
-    counter_ptr,
-    n_kv_heads,
-    n_splits,
-    G: tl.constexpr,
-    G_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-    D: tl.constexpr,
-    ROW_PAD: tl.constexpr,
-    FP8_OUT: tl.constexpr,
-    SNAP: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    b = pid // n_kv_heads
-    h = pid % n_kv_heads
-    pdl_wait(PDL, False)
-    rows = tl.arange(0, G_PAD)
-    splits = tl.arange(0, SPLITS_PAD)
-    dim = tl.arange(0, D)
-    heads = (b.to(tl.int64) * n_kv_heads + h) * G + rows
-    part = heads[:, None] * n_splits + splits[None, :]
-    mask = (rows < G)[:, None] & (splits < n_splits)[None, :]
-    m = tl.load(m_part_ptr + part, mask=mask, other=EMPTY_MAX)
-    l_split = tl.load(l_part_ptr + part, mask=mask, other=0.0)
-    weight = tl.exp2(m - tl.max(m, axis=1)[:, None])
-    total = tl.sum(l_split * weight, axis=1)
-    o = tl.load(o_part_ptr + part[:, :, None] * D + dim[None, None, :], mask=mask[:, :, None], other=0.0)
-    out = tl.sum(o * weight[:, :, None], axis=1) / total[:, None]
-    row_len = n_kv_heads * G * D
-    out_row = out_ptr + b.to(tl.int64) * row_len
-    tl.store(
-        out_row + (h * G + rows)[:, None] * D + dim[None, :],
-        downcast(out, out_ptr.dtype.element_ty, SNAP),
-        mask=(rows < G)[:, None],
-    )
-    if FP8_OUT:
-        # The last program of this sequence to get here quantizes its whole row: the per-token scale
-        # needs every head's output. The barrier orders every thread's stores before the count.
+    # Arrival counts: one per (sequence, kv head) for its splits, then one per sequence for FP8.
+    seq_counter_ptr = counter_ptr + tl.num_programs(0) + b
+    if SPLITS == 1:
+        l_i = tl.where(rows < G, l_i, 1.0)  # padding rows: 1 rather than 0 / 0
+        _write_output(acc / l_i[:, None], rows, out_ptr, fp8_ptr, scale_ptr, seq_counter_ptr, b, h,
+                      n_kv_heads, G, D, ROW_PAD, FP8_OUT, SNAP)  # fmt: skip
+    else:
+        heads = (b64 * n_kv_heads + h) * G + rows
+        part = heads * SPLITS + split
+        tl.store(o_part_ptr + part[:, None] * D + dim[None, :], acc, mask=row_mask)
+        tl.store(m_part_ptr + part, m_i, mask=rows < G)
+        tl.store(l_part_ptr + part, l_i, mask=rows < G)
+        # The last split of this kv head to get here weighs them all together. The barrier orders every
+        # thread's stores before the count; acquire-release makes them visible to that program.
         tl.debug_barrier()
-        arrived = tl.atomic_add(counter_ptr + b, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_kv_heads - 1:
-            cols = tl.arange(0, ROW_PAD)
-            inside = cols < row_len
-            # .cg: read from L2, where the other programs' stores are, not from this SM's L1.
-            x = tl.load(out_row + cols, mask=inside, other=0.0, cache_modifier=".cg").to(tl.float32)
-            store_row(x, fp8_ptr, b, row_len, cols, inside, scale_ptr, 1.0, QUANT=2, SNAP=SNAP)
+        split_counter_ptr = counter_ptr + pid
+        arrived = tl.atomic_add(split_counter_ptr, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            tl.store(split_counter_ptr, 0)
+            out_rows = tl.arange(0, G_ROWS)
+            out_heads = (b64 * n_kv_heads + h) * G + out_rows
+            out = _combine_splits(o_part_ptr, m_part_ptr, l_part_ptr, out_heads, out_rows < G, dim, SPLITS, D)
+            _write_output(out, out_rows, out_ptr, fp8_ptr, scale_ptr, seq_counter_ptr, b, h, n_kv_heads,
+                          G, D, ROW_PAD, FP8_OUT, SNAP)  # fmt: skip
 
 
 def _check(q, k, v, rope, input_pos, k_cache, v_cache) -> None:
@@ -386,40 +413,31 @@ def _check(q, k, v, rope, input_pos, k_cache, v_cache) -> None:
         )
 
 
-def combine_launch(n_kv_heads: int, group: int, head_dim: int, splits: int, fp8: bool) -> tuple[int, int]:
-    """(ROW_PAD, num_warps) of the combine kernel: 32 partial-output elements a thread, and for FP8
-    at most 16 elements a thread of the row that the last program quantizes."""
-    row_pad = triton.next_power_of_2(n_kv_heads * group * head_dim)
-    held = triton.next_power_of_2(group) * splits * head_dim
-    warps = max(held // 1024, row_pad // 512 if fp8 else 1)
-    return row_pad, max(4, min(16, triton.next_power_of_2(warps)))
+def arrival_counters(device: torch.device, numel: int) -> torch.Tensor:
+    """The int32 arrival counts of `device`, zero wherever no call is in flight (the last arriver
+    stores 0 back): kernels.workspace.persistent_workspace."""
+    return persistent_workspace(_COUNTERS, device, numel, 0, 4096, "decode attention's arrival counts")
 
 
 def _launch(q, k, v, rope, input_pos, k_cache, v_cache, out, fp8_out, scales) -> None:
     batch, n_kv_heads, cache_len, head_dim = k_cache.shape
     group = q.shape[2] // head_dim // n_kv_heads
     splits = num_splits(batch, n_kv_heads, group, head_dim, cache_len, q.device)
+    group_rows = triton.next_power_of_2(group)
     rows = batch * n_kv_heads * group
+    # Every element of the partials is written before it is read (one split uses none).
     o_part = torch.empty(rows * splits * head_dim, dtype=torch.float32, device=q.device)
     m_part = torch.empty(rows * splits, dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
-    counter = torch.empty(batch, dtype=torch.int32, device=q.device)
-    group_pad = max(16, triton.next_power_of_2(group))
-    pdl = pdl_for(q.device)
-    _decode_attention_split_kernel[(batch * n_kv_heads, splits)](
-        q, k, v, rope, input_pos, k_cache, v_cache, o_part, m_part, l_part, counter,
-        n_kv_heads, cache_len, splits, q.stride(0), k.stride(0), v.stride(0), rope.stride(0),
+    counters = arrival_counters(q.device, batch * (n_kv_heads + 1))
+    _decode_attention_kernel[(batch * n_kv_heads, splits)](
+        q, k, v, rope, input_pos, k_cache, v_cache, o_part, m_part, l_part, out,
+        fp8_out if fp8_out is not None else out, scales if scales is not None else m_part, counters,
+        n_kv_heads, cache_len, q.stride(0), k.stride(0), v.stride(0), rope.stride(0),
         k_cache.stride(0), k_cache.stride(1), LOG2E / math.sqrt(head_dim),
-        G=group, G_PAD=group_pad, D=head_dim, BLOCK=BLOCK_N, SNAP=INTERPRETED, PDL=pdl,
-        num_warps=4, **launch_options(q.device),
-    )  # fmt: skip
-    row_pad, warps = combine_launch(n_kv_heads, group, head_dim, splits, fp8_out is not None)
-    _decode_attention_combine_kernel[(batch * n_kv_heads,)](
-        o_part, m_part, l_part, out, fp8_out if fp8_out is not None else out,
-        scales if scales is not None else m_part, counter, n_kv_heads, splits,
-        G=group, G_PAD=triton.next_power_of_2(group), SPLITS_PAD=triton.next_power_of_2(splits),
-        D=head_dim, ROW_PAD=row_pad, FP8_OUT=fp8_out is not None, SNAP=INTERPRETED, PDL=pdl,
-        num_warps=warps, **launch_options(q.device),
+        G=group, G_PAD=max(16, group_rows), G_ROWS=group_rows, D=head_dim, SPLITS=splits,
+        ROW_PAD=triton.next_power_of_2(q.shape[2]), BLOCK=BLOCK_N, FP8_OUT=fp8_out is not None,
+        SNAP=INTERPRETED, PDL=pdl_for(q.device), num_warps=NUM_WARPS, **launch_options(q.device),
     )  # fmt: skip
 
 

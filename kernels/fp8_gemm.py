@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from kernels.fp8 import FP8, INTERPRETED, downcast, launch_options, pdl_for, pdl_wait, programs_cap
+from kernels.workspace import Workspaces, persistent_workspace
 
 MAX_M = 64
 CONFIG_FILE = Path(__file__).with_name("fp8_gemm_configs.json")
@@ -275,26 +276,15 @@ def _skinny_gemm_kernel(
 
 # A NaN bit pattern no arithmetic produces (a generated NaN is 0x7FC00000 or 0xFFC00000).
 EMPTY: tl.constexpr = tl.constexpr(0x7FC0DEAD)
-_WORKSPACES: dict[torch.device, list[torch.Tensor]] = {}
+_WORKSPACES: Workspaces = {}
 
 
 def split_workspace(device: torch.device, numel: int) -> torch.Tensor:
     """The fp32 split-K partials workspace of `device`, at least `numel` long and EMPTY wherever no
-    call is in flight (every call re-arms what it read). Grown outside CUDA-graph capture only, and a
-    grown-out workspace is kept alive: graphs captured earlier still point at it. Calls on concurrent
-    streams must not share it."""
-    workspaces = _WORKSPACES.setdefault(device, [])
-    if not workspaces or workspaces[-1].numel() < numel:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"the split-K workspace needs {numel} floats while a CUDA graph is being captured: "
-                "run the same call once before capture (a warm-up call) so it is allocated outside"
-            )
-        size = max(numel, 1 << 20, 2 * (workspaces[-1].numel() if workspaces else 0))
-        workspaces.append(
-            torch.full((size,), EMPTY.value, dtype=torch.int32, device=device).view(torch.float32)
-        )
-    return workspaces[-1]
+    call is in flight (every call re-arms what it read): kernels.workspace.persistent_workspace."""
+    return persistent_workspace(
+        _WORKSPACES, device, numel, EMPTY.value, 1 << 20, "split-K workspace", dtype=torch.float32
+    )
 
 
 def _check(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> None:

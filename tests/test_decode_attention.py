@@ -38,8 +38,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.fixture
 def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tensors the op allocates start as NaN (floats) or a large count (integers), so a partial result
-    never written, or an arrival counter never reset, fails the test."""
+    """Tensors the op allocates per call start as NaN (floats) or a large count (integers), so an output
+    or partial result never written fails the test. (Its arrival counts live in a persistent
+    workspace: test_second_call_finds_the_counts_rearmed.)"""
     real_empty = torch.empty
 
     def empty(*args, **kwargs):
@@ -96,9 +97,9 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-h{}-kv{}-d{}-l{}-pos{}".format(*s))
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_matches_reference(poisoned: None, tiles: None, shape: tuple[int, ...], fp8: bool) -> None:
+def assert_matches_reference(shape: tuple[int, ...], fp8: bool) -> None:
+    """decode_attention at `shape` (batch, query heads, kv heads, head dim, cache length, position) on
+    fresh inputs: the cache it writes and its output against the stock path's."""
     q, k, v, rope, pos, k_cache, v_cache = inputs(*shape)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     out = decode_attention(q, k, v, rope, pos, k_cache, v_cache, fp8=fp8)
@@ -115,6 +116,42 @@ def test_matches_reference(poisoned: None, tiles: None, shape: tuple[int, ...], 
     batch = shape[0]
     got = dequantize(values.view(batch, -1), scales)
     assert rel_err(got, dequantize(ref_values.view(batch, -1), ref_scales)) < 3e-2
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-h{}-kv{}-d{}-l{}-pos{}".format(*s))
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_matches_reference(poisoned: None, tiles: None, shape: tuple[int, ...], fp8: bool) -> None:
+    assert_matches_reference(shape, fp8)
+
+
+REPEATED = [
+    # batch, query heads, kv heads, head dim, cache length, the two calls' positions
+    (3, 6, 2, 16, 50, (49, 0)),
+    (3, 12, 2, 32, 40, (0, 39)),
+    (1, 3, 1, 16, 64, (63, 20)),
+]
+
+
+@pytest.mark.parametrize(
+    "shape", REPEATED, ids=lambda s: "b{}-h{}-kv{}-d{}-l{}-pos{}-{}".format(*s[:5], *s[5])
+)
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_second_call_finds_the_counts_rearmed(
+    poisoned: None, tiles: None, shape: tuple[int, ...], fp8: bool
+) -> None:
+    """Two calls in a row on the device's one arrival-count workspace (as CUDA-graph replays reuse one
+    launch), at ragged head groups (3, 6) and several splits: the second is right only if the first
+    left every count at zero (else no split of the second would see itself last, and its outputs would
+    stay poisoned), and it leaves them at zero too."""
+    *heads, positions = shape
+    batch, n_heads, n_kv_heads, head_dim, cache_len = heads
+    group = n_heads // n_kv_heads
+    assert da.num_splits(batch, n_kv_heads, group, head_dim, cache_len, torch.device(DEVICE)) > 1
+    counts = da.arrival_counters(torch.device(DEVICE), 0)
+    for position in positions:
+        assert_matches_reference((*heads, position), fp8)
+    assert da.arrival_counters(torch.device(DEVICE), 0) is counts
+    assert not counts.any()
 
 
 def test_split_counts(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -267,40 +304,40 @@ def test_compiled_step_updates_the_cache_in_place() -> None:
 
 
 def check_sm90_ptx() -> None:
-    """Both kernels compile for sm_90 at the served head shapes without register spills, waiting on
-    the previous kernel (PDL); the FP8 combine counts arrivals with one acquire-release atomic."""
-    pointers = ["q_ptr", "k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"]
-    split_sig = {name: "*bf16" for name in pointers}
-    split_sig.update(
-        {name: "*fp32" for name in ["rope_ptr", "o_part_ptr", "m_part_ptr", "l_part_ptr"]},
+    """The kernel compiles for sm_90 at the served head shapes without register spills, the combine and
+    the FP8 row quantize included, waiting on the previous kernel (PDL); the splits count arrivals with
+    one acquire-release atomic, and FP8 sequences with a second (one split needs no count)."""
+    pointers = ["q_ptr", "k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"]
+    signature = {name: "*bf16" for name in pointers}
+    signature.update(
+        {name: "*fp32" for name in ["rope_ptr", "o_part_ptr", "m_part_ptr", "l_part_ptr", "scale_ptr"]},
+        fp8_ptr="*fp8e4nv",
         pos_ptr="*i64",
         counter_ptr="*i32",
         qk_scale="fp32",
     )
-    ints = ["n_kv_heads", "cache_len", "n_splits", "stride_q", "stride_k", "stride_v", "stride_rope"]
-    split_sig.update(dict.fromkeys([*ints, "stride_cb", "stride_ch"], "i32"))
-    combine_sig = {name: "*fp32" for name in ["o_part_ptr", "m_part_ptr", "l_part_ptr", "scale_ptr"]}
-    combine_sig.update(
-        out_ptr="*bf16", fp8_ptr="*fp8e4nv", counter_ptr="*i32", n_kv_heads="i32", n_splits="i32"
-    )
-    for group, head_dim in [(4, 128), (8, 128), (2, 64)]:
-        constexprs = dict(G=group, G_PAD=16, D=head_dim, BLOCK=da.BLOCK_N, SNAP=False, PDL=True)
-        ptx = compile_sm90(da._decode_attention_split_kernel, split_sig, constexprs, num_warps=4).asm["ptx"]
-        assert "griddepcontrol.wait" in ptx
-        assert "0 bytes spill stores" in ptxas_log(ptx)
-        splits = da.max_splits(group, head_dim)
-        for fp8 in (False, True):
-            row_pad, warps = da.combine_launch(8, group, head_dim, splits, fp8)
-            constexprs = dict(
-                G=group, G_PAD=group, SPLITS_PAD=splits, D=head_dim, ROW_PAD=row_pad, FP8_OUT=fp8, SNAP=False,
-                PDL=True,
-            )  # fmt: skip
-            ptx = compile_sm90(
-                da._decode_attention_combine_kernel, combine_sig, constexprs, num_warps=warps
-            ).asm["ptx"]
-            assert "griddepcontrol.wait" in ptx
-            assert "0 bytes spill stores" in ptxas_log(ptx)
-            assert ptx.count("atom.global.gpu.acq_rel.add") == (1 if fp8 else 0)
+    ints = ["n_kv_heads", "cache_len", "stride_q", "stride_k", "stride_v", "stride_rope"]
+    signature.update(dict.fromkeys([*ints, "stride_cb", "stride_ch"], "i32"))
+    # (query heads, kv heads, head dim): Llama-3-8B, Llama-3-70B, a small-head model, Llama-3-405B (the
+    # longest row the FP8 quantize holds: 128 elements a thread at 4 warps).
+    for n_heads, n_kv_heads, head_dim in [(32, 8, 128), (64, 8, 128), (16, 8, 64), (128, 8, 128)]:
+        group = n_heads // n_kv_heads
+        for splits in (1, da.max_splits(group, head_dim)):
+            for fp8 in (False, True):
+                constexprs = dict(
+                    G=group, G_PAD=max(16, group), G_ROWS=group, D=head_dim, SPLITS=splits,
+                    ROW_PAD=n_heads * head_dim, BLOCK=da.BLOCK_N, FP8_OUT=fp8, SNAP=False, PDL=True,
+                )  # fmt: skip
+                kernel = compile_sm90(
+                    da._decode_attention_kernel, signature, constexprs, num_warps=da.NUM_WARPS
+                )
+                ptx = kernel.asm["ptx"]
+                assert "griddepcontrol.wait" in ptx
+                assert "0 bytes spill stores" in ptxas_log(ptx), (n_heads, n_kv_heads, head_dim, splits, fp8)
+                atomics = (splits > 1) + fp8
+                assert ptx.count("atom.global.gpu.acq_rel.add") == atomics
+                # Whatever another program wrote is read back from L2, not from a stale L1 line.
+                assert ("ld.global.cg" in ptx) == (atomics > 0)
 
 
 def test_kernels_compile_for_sm90() -> None:
@@ -333,6 +370,23 @@ def test_cuda_graph_replays_follow_the_position(fp8: bool) -> None:
             assert rel_err(got, want) < 3e-2
         else:
             assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_arrival_counts_are_not_grown_inside_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The arrival-count workspace is allocated outside CUDA-graph capture (a graph must not own
+    memory that later calls rely on): a first call inside capture says to warm up first."""
+    monkeypatch.setattr(da, "_COUNTERS", {})
+    q, k, v, rope, pos, k_cache, v_cache = inputs(2, 32, 8, 128, 200, 10)
+    ref = decode_attention_reference(q, k, v, rope, pos, k_cache.clone(), v_cache.clone())
+    with pytest.raises(RuntimeError, match="warm-up"), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        decode_attention(q, k, v, rope, pos, k_cache, v_cache)
+    decode_attention(q, k, v, rope, pos, k_cache, v_cache)  # the warm-up call
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_attention(q, k, v, rope, pos, k_cache, v_cache)
+    graph.replay()
+    assert rel_err(out, ref) < 1e-2
 
 
 @pytest.mark.gpu
