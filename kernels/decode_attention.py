@@ -80,6 +80,9 @@ BLOCK_N = 64  # cached positions per tile
 MIN_POSITIONS_PER_SPLIT = 32
 SPLIT_PROGRAMS_PER_SM = 2
 NUM_WARPS = 4
+# cp.async stages of the loop over a split's later tiles (its first tile is loaded before the PDL wait,
+# outside the loop): see pipeline_stages.
+PIPELINE_STAGES = 4
 # fp32 partial outputs the combining program of a kv head loads at once, and its splits. At 4 warps
 # that is 128 a thread, yet ptxas (sm_90) holds the whole [G, splits, D] load without spilling and
 # without raising the kernel's registers above those of its attention part (~232 at head dim 128,
@@ -114,6 +117,15 @@ def num_splits(
     wanted = triton.cdiv(programs_cap(device) * SPLIT_PROGRAMS_PER_SM, batch * n_kv_heads)
     wanted = min(wanted, triton.cdiv(cache_len, MIN_POSITIONS_PER_SPLIT))
     return _floor_power_of_2(max(1, min(wanted, max_splits(group, head_dim))))
+
+
+def pipeline_stages(cache_len: int, splits: int) -> int:
+    """num_stages of the kernel: 1 where a split's share of the full cache is one tile, so that its
+    loop never runs and a pipeline's shared memory and prologue would only cost it; else
+    PIPELINE_STAGES. On one H200 (Llama-3-8B heads, bf16, back-to-back calls with PDL), against
+    Triton's default of 3 for every shape: batch 1 x 640 positions (16 splits of 40) 5.60 -> 4.89 us,
+    batch 8 x 640 (4 splits of 160) 12.80 -> 11.35 us, batch 8 x 4096 46.6 -> 38.3 us."""
+    return 1 if triton.cdiv(cache_len, splits) <= BLOCK_N else PIPELINE_STAGES
 
 
 def max_splits(group: int, head_dim: int) -> int:
@@ -437,7 +449,8 @@ def _launch(q, k, v, rope, input_pos, k_cache, v_cache, out, fp8_out, scales) ->
         k_cache.stride(0), k_cache.stride(1), LOG2E / math.sqrt(head_dim),
         G=group, G_PAD=max(16, group_rows), G_ROWS=group_rows, D=head_dim, SPLITS=splits,
         ROW_PAD=triton.next_power_of_2(q.shape[2]), BLOCK=BLOCK_N, FP8_OUT=fp8_out is not None,
-        SNAP=INTERPRETED, PDL=pdl_for(q.device), num_warps=NUM_WARPS, **launch_options(q.device),
+        SNAP=INTERPRETED, PDL=pdl_for(q.device), num_warps=NUM_WARPS,
+        num_stages=pipeline_stages(cache_len, splits), **launch_options(q.device),
     )  # fmt: skip
 
 
