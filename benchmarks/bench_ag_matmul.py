@@ -103,7 +103,7 @@ def make_alone(m: int, k: int, n: int, world: int, rank: int) -> gemm_comm.Alone
 
     def ours(config):
         alone = ag.GemmAlone(a, [b], 0, rank, world, config)
-        return (lambda: alone.run()[0]), alone.config
+        return (lambda: alone.run()[0]), alone.config, alone
 
     return gemm_comm.AloneCase(ours=ours, cublas=lambda: torch.matmul(a, b), expected=lambda out: out)
 

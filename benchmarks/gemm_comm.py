@@ -56,8 +56,8 @@ class AloneCase:
     """One M K N of a benchmark's GEMM alone, set up on one GPU."""
 
     # config (None: the kernel's own pick) -> (a call that runs our GEMM and returns its output, the
-    # config that call runs after the kernel module's resolution).
-    ours: Callable[[Any], tuple[Callable[[], torch.Tensor], Any]]
+    # config that call runs after the kernel module's resolution, the GemmAlone it runs).
+    ours: Callable[[Any], tuple[Callable[[], torch.Tensor], Any, Any]]
     # torch.matmul on the same operands.
     cublas: Callable[[], torch.Tensor]
     # cuBLAS's output -> the part of it that ours computes (its rows of this rank).
@@ -102,6 +102,15 @@ def describe(config: Any) -> str:
     return " ".join(values + options)
 
 
+def kernel_resources(kernel: Any) -> str:
+    """A compiled Triton kernel's registers per thread (and spills) and shared memory per program: what
+    decides how many of its programs an SM holds (65536 registers, 227 KiB on Hopper)."""
+    if kernel is None:
+        return ""
+    spills = f"+{kernel.n_spills} spills" if kernel.n_spills else ""
+    return f"{kernel.n_regs}{spills} {kernel.metadata.shared // 1024} KiB"
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
@@ -117,9 +126,10 @@ def measure_alone(
     for cfg in (None, *sweep):
         row: dict[str, object] = {"M K N": f"{m} {k} {n}", "config": describe(cfg) if cfg else ""}
         try:
-            run, used = case.ours(cfg)
+            run, used, alone = case.ours(cfg)
             row["config"] = describe(used)
             err = relative_error(run(), expected)
+            row["regs smem"] = kernel_resources(alone.kernel)
             if not err <= MAX_REL_ERR:
                 raise RuntimeError(f"relative error {err:.2e} against cuBLAS")
             us = time_interleaved({"cuBLAS": case.cublas, "ours": run}, iters)

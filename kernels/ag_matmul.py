@@ -388,11 +388,12 @@ def launch_gemm(
     config: GemmConfig,
     num_programs: int,
     timeout_ns: int,
-) -> None:
+) -> triton.compiler.CompiledKernel:
     """Launch the persistent GEMM: outs[i] (viewed [P * W, R, N_i]) = A @ bs[i], A's rows of this rank
     read from `own` ([P, R, K], contiguous), the other rows from `a_out` (viewed [P * W, R, K]) after
     flags[src * splits + q] is set (`config.splits` clamped to the row tiles per rank, as
-    `all_gather_matmul_kernel` does). `a_out`'s own rows are neither read nor written."""
+    `all_gather_matmul_kernel` does). `a_out`'s own rows are neither read nor written. Returns the
+    compiled kernel."""
     if not 1 <= len(bs) <= MAX_WEIGHTS or len(outs) != len(bs):
         raise ValueError(f"1 to {MAX_WEIGHTS} weights with one output each, got {len(bs)} / {len(outs)}")
     kn = {is_kn_layout(b) for b in bs}
@@ -418,7 +419,7 @@ def launch_gemm(
     b_descs += [b_descs[0]] * unused
     c_descs += [c_descs[0]] * unused
     n_tiles += [0] * unused
-    _ag_matmul_kernel[(num_programs,)](
+    return _ag_matmul_kernel[(num_programs,)](
         own_desc, a_desc, *b_descs, *c_descs,
         flags, status, timeout_ns, k, triton.cdiv(r, bm), layout.pieces, *n_tiles,
         RANK=rank, WORLD=layout.world, NUM_W=len(bs), SPLITS=config.splits, B_KN=b_kn,
@@ -452,9 +453,9 @@ def run_gemms(
     config: GemmConfig,
     num_sms: int,
     timeout_ns: int,
-) -> None:
+) -> triton.compiler.CompiledKernel:
     """The GEMM launches of one call (`launch_gemm` with up to MAX_WEIGHTS weights each), one program
-    per SM or per tile where there are fewer tiles."""
+    per SM or per tile where there are fewer tiles. Returns the last launch's compiled kernel."""
     for start in range(0, len(bs), MAX_WEIGHTS):
         part = slice(start, start + MAX_WEIGHTS)
         tiles = (
@@ -463,7 +464,7 @@ def run_gemms(
             * triton.cdiv(layout.rows, config.block_m)
             * sum(triton.cdiv(b.shape[1], config.block_n) for b in bs[part])
         )
-        launch_gemm(
+        kernel = launch_gemm(
             own,
             a_out,
             layout,
@@ -476,6 +477,7 @@ def run_gemms(
             min(num_sms, tiles),
             timeout_ns,
         )
+    return kernel
 
 
 class GemmAlone:
@@ -520,9 +522,10 @@ class GemmAlone:
         self.outs = [
             torch.full((*a.shape[:-1], b.shape[1]), float("nan"), dtype=a.dtype, device=a.device) for b in bs
         ]
+        self.kernel: triton.compiler.CompiledKernel | None = None  # the last run's last launch
 
     def run(self) -> list[torch.Tensor]:
-        run_gemms(
+        self.kernel = run_gemms(
             self.own, self.a, self.layout, self.bs, self.outs, self.flags, self.status, self.rank,
             self.config, self.num_sms, int(DEFAULT_TIMEOUT_S * 1e9),
         )  # fmt: skip

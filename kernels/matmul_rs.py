@@ -112,13 +112,14 @@ class GemmConfig:
     num_stages: int
 
 
-# (largest N, config), first match. 128x256x64 / 8 warps / 3 stages is the wgmma-friendly Hopper tile;
-# narrow outputs get 128x128 tiles so that enough tiles exist to fill the SMs. Not yet measured on
-# H200: refine from `torchrun --nproc_per_node=4 benchmarks/bench_matmul_rs.py --sweep`, the GEMM alone
-# from `python -m benchmarks.bench_matmul_rs --gemm-alone --sweep` on one GPU.
+# (largest N, config), first match. 128x256x64 / 8 warps is the wgmma-friendly Hopper tile; its 4th
+# stage took the GEMM alone 1% closer to cuBLAS than 3 stages at every benchmark shape on one H100 and
+# one H200 (benchmarks/results/matmul_rs_gemm-h100.md). Narrow outputs get 128x128 tiles so that enough
+# tiles exist to fill the SMs. Refine from `torchrun --nproc_per_node=4 benchmarks/bench_matmul_rs.py
+# --sweep`, the GEMM alone from `python -m benchmarks.bench_matmul_rs --gemm-alone --sweep` on one GPU.
 CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
     (1024, GemmConfig(128, 128, 64, 8, 8, 4)),
-    (1 << 62, GemmConfig(128, 256, 64, 8, 8, 3)),
+    (1 << 62, GemmConfig(128, 256, 64, 8, 8, 4)),
 )
 
 
@@ -377,10 +378,10 @@ def launch(
     num_programs: int,
     timeout_ns: int,
     tiles: tuple[int, int] | None = None,
-) -> None:
+) -> triton.compiler.CompiledKernel:
     """Launch the persistent kernel: `out` ([P, R, N], contiguous) = this rank's rows of the sum over
     ranks of `a` ([P, W, R, K], contiguous) @ `b`. `tiles` restricts the launch to a range of the
-    schedule (default: all W * T tiles, one whole call)."""
+    schedule (default: all W * T tiles, one whole call). Returns the compiled kernel."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     p, w, r, k, n = layout.pieces, layout.world, layout.rows, layout.k, layout.n
     if tuple(a.shape) != (p, w, r, k) or not a.is_contiguous():
@@ -405,7 +406,7 @@ def launch(
     else:
         b_desc = TensorDescriptor(b.t(), [n, k], [k, 1], [bn, bk])
     claims = torch.zeros(1, dtype=torch.int32, device=a.device)
-    _matmul_rs_kernel[(num_programs,)](
+    return _matmul_rs_kernel[(num_programs,)](
         a_desc, b_desc, out, buffers.data_table, buffers.data_offset, buffers.data_half,
         buffers.flag_table, buffers.flag_offset, buffers.flag_half, buffers.epochs, buffers.status,
         claims, timeout_ns, k, r, n, p, begin, end,
@@ -482,11 +483,12 @@ class GemmAlone:
             num_sms if num_sms is not None else torch.cuda.get_device_properties(dev).multi_processor_count
         )
         self.num_programs = grid_size(layout, self.config, num_sms)
+        self.kernel: triton.compiler.CompiledKernel | None = None  # the last run's
 
     def run(self) -> torch.Tensor:
         out = self.out.view(self.layout.pieces, self.layout.rows, self.layout.n)
-        launch(self.a, self.b, out, self.layout, self.buffers, self.rank, self.config, self.num_programs,
-               int(DEFAULT_TIMEOUT_S * 1e9))  # fmt: skip
+        self.kernel = launch(self.a, self.b, out, self.layout, self.buffers, self.rank, self.config,
+                             self.num_programs, int(DEFAULT_TIMEOUT_S * 1e9))  # fmt: skip
         return self.out
 
     def pushed(self, dest: int) -> torch.Tensor:
