@@ -2,13 +2,16 @@
 
     torchrun --nproc_per_node=4 -m benchmarks.bench_train_tp      # tp = all 4 ranks, 4 layers, seq 8192
     torchrun --nproc_per_node=4 -m benchmarks.bench_train_tp --layers 8 --comms torch symm_mem triton
+    torchrun --nproc_per_node=4 -m benchmarks.bench_train_tp --steps 50   # and the losses of 53 steps
 
 Llama-3-8B's width (dim 4096, 32 heads / 8 kv heads, MLP 14336, vocabulary 128256) with fewer layers
 so a run fits in minutes; bf16 autocast over fp32 weights, AdamW, one sequence of 8192 tokens per step
 (dp = 1: all ranks are one tensor-parallel group). Reports tokens/s per GPU and MFU (model FLOPs per
 token from ModelArgs.training_flops_per_token, dense bf16 peak of the GPU) per comm path; a path that
 cannot run here (e.g. symm_mem or triton without peer access between the GPUs) gets a row saying
-why. Writes benchmarks/results/train_tp-llama3_8b-L<layers>-<gpu>-x<W>.json / .md.
+why. Every path starts from the same weights and trains on the same tokens, so their per-step losses,
+written beside the table (train_tp_losses-...), say whether the comm paths compute the same training.
+Writes benchmarks/results/train_tp-llama3_8b-L<layers>-<gpu>-x<W>.json / .md.
 """
 
 from __future__ import annotations
@@ -68,21 +71,24 @@ def bench_path(comm: str, opts, args: ModelArgs, device: torch.device) -> dict[s
     except (CommUnavailable, ValueError) as err:
         row["status"] = f"unavailable: {err}"
         return row
+    torch.manual_seed(0)  # every path starts from the same weights and reads the same tokens
     materialize(model, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    torch.manual_seed(0)
+    torch.manual_seed(1)
     tokens = torch.randint(0, args.vocab_size, (opts.batch, opts.seq + 1), device=device)
     dist.broadcast(tokens, src=0)  # one tensor-parallel group: every rank reads the same batch
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
 
-    def step() -> float:
+    losses = []  # every step's loss, kept on the GPU until the timing is done
+
+    def step() -> None:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = cross_entropy(model, model(inputs), targets)
         loss.backward()
         clip_grad_norm_(model, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss
+        losses.append(loss.detach())
 
     for _ in range(opts.warmup):
         step()
@@ -91,7 +97,7 @@ def bench_path(comm: str, opts, args: ModelArgs, device: torch.device) -> dict[s
     dist.barrier()
     start = time.perf_counter()
     for _ in range(opts.steps):
-        loss = step()
+        step()
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / opts.steps
     tokens_per_gpu = opts.batch * opts.seq * dims.dp / world / seconds
@@ -103,10 +109,27 @@ def bench_path(comm: str, opts, args: ModelArgs, device: torch.device) -> dict[s
             "tokens_per_s_per_gpu": tokens_per_gpu,
             "mfu": tokens_per_gpu * args.training_flops_per_token(opts.seq) / peak if peak else float("nan"),
             "memory_gb": torch.cuda.max_memory_allocated() / 1e9,
-            "loss": float(loss),
+            "loss": float(losses[-1]),
+            "losses": torch.stack(losses).tolist(),
         }
     )
     return row
+
+
+def compare_losses(losses: dict[str, list[float]]) -> tuple[list[dict[str, object]], dict[str, float]]:
+    """Per-step rows (step, then each path's loss) and, for every path after the first, the largest
+    |loss - the first path's loss| over the steps both ran."""
+    if not losses:
+        return [], {}
+    paths = list(losses)
+    steps = max(len(trace) for trace in losses.values())
+    rows = [
+        {"step": i + 1, **{p: losses[p][i] if i < len(losses[p]) else None for p in paths}}
+        for i in range(steps)
+    ]
+    first = losses[paths[0]]
+    diffs = {p: max(abs(a - b) for a, b in zip(losses[p], first, strict=False)) for p in paths[1:]}
+    return rows, diffs
 
 
 def main() -> None:
@@ -137,6 +160,11 @@ def main() -> None:
         rows.append(bench_path(comm, opts, args, device))
         gc.collect()  # the previous path's model and optimizer
         torch.cuda.empty_cache()
+    losses = {row["comm"]: row.pop("losses") for row in rows if "losses" in row}
+    loss_rows, diffs = compare_losses(losses)
+    for row in rows:
+        if row["comm"] in diffs:
+            row[f"max loss diff vs {next(iter(losses))}"] = diffs[row["comm"]]
     if dist.get_rank() == 0:
         switches = [
             ("--compile", opts.compile),
@@ -146,14 +174,25 @@ def main() -> None:
         flags = " ".join(flag for flag, on in switches if on)
         command = (
             f"torchrun --nproc_per_node={dist.get_world_size()} -m benchmarks.bench_train_tp "
-            f"--layers {opts.layers} --seq {opts.seq} --batch {opts.batch} --tp {opts.tp} {flags}"
+            f"--layers {opts.layers} --seq {opts.seq} --batch {opts.batch} --tp {opts.tp} "
+            f"--steps {opts.steps} {flags}"
         )
         notes = (
             f"`{command.strip()}`: Llama-3-8B width, {opts.layers} layers, bf16 autocast, AdamW; mean of "
-            f"{opts.steps} steps after {opts.warmup} warm-up steps. "
-            "MFU = tokens/s/GPU x model FLOPs/token / dense bf16 peak."
+            f"{opts.steps} steps after {opts.warmup} warm-up steps, every path from the same weights on the "
+            "same tokens (max loss diff: the largest difference of a step's loss from the first path's, "
+            f"train_tp_losses-llama3_8b-L{opts.layers}). MFU = tokens/s/GPU x model FLOPs/token / dense "
+            "bf16 peak."
         )
         write_results(f"train_tp-llama3_8b-L{opts.layers}", rows, notes=notes, device=device_name())
+        if loss_rows:
+            write_results(
+                f"train_tp_losses-llama3_8b-L{opts.layers}",
+                loss_rows,
+                notes=f"`{command.strip()}`: the loss of every step ({opts.warmup} warm-up steps, then "
+                f"{opts.steps} timed) on each comm path, the same initial weights and tokens on every path.",
+                device=device_name(),
+            )
     dist.destroy_process_group()
 
 

@@ -6,6 +6,14 @@
 #   benchmarks/run_node.sh                    # every step
 #   benchmarks/run_node.sh tests ag rs        # the named steps, in the order given
 #   STEP_TIMEOUT=300 LOG_DIR=/tmp/logs benchmarks/run_node.sh a2a
+#   DEADLINE=570 OUT=/tmp/out benchmarks/run_node.sh tests ag rs a2a ar   # one call of at most 10 minutes
+#
+# DEADLINE (seconds from the start): no step runs past it (each step's timeout is cut to what is left, a
+# step with under a minute left is skipped), so a machine lent by the call never outlives its limit.
+# OUT: a folder that receives node-results.tar, the result files this run wrote and its logs.
+# On a lent 4-GPU machine, two calls take every step of the four-GPU run:
+#   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh tests ag rs a2a ar
+#   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh train decode
 #
 # Steps (N = the GPUs visible here; the comm steps need N >= 2):
 #   tests     pytest of everything marked gpu or multigpu (kernels on 1, 2 and 4 GPUs, TP, Ulysses)
@@ -13,9 +21,10 @@
 #   rs        matmul + reduce-scatter against cuBLAS + NCCL, torch's fused op and the matmul alone
 #   a2a       the Ulysses all-to-all against the stock path and bare all_to_all_single
 #   ar        the decode all-reduce size sweep against NCCL and torch's one-/two-shot
-#   train     tensor + sequence parallel training throughput of Llama-3-8B shapes, every comm path
+#   train     tensor + sequence parallel training throughput of Llama-3-8B shapes, every comm path, and
+#             the per-step losses of 53 steps on each (the same weights and tokens on every path)
 #   cp        Ulysses loss curves (debug model) at cp = 1, 2, 4 on the triton path
-#   decode    tensor-parallel decode of llama3_70b at tp = N on every comm path, bf16 and FP8
+#   decode    tensor-parallel decode of llama3_70b at tp = N on every comm path, bf16 and FP8, compiled
 #   fp8       the FP8 kernels, their bandwidth floors, and the FP8 vs bf16 decode of llama3_8b on one GPU
 #             (eager and compiled: the README's two decode tables)
 set -uo pipefail
@@ -25,7 +34,10 @@ PY=${PYTHON:-python3}
 N=$($PY -c "import torch; print(torch.cuda.device_count())")
 LOG_DIR=${LOG_DIR:-runs/node}
 STEP_TIMEOUT=${STEP_TIMEOUT:-900}
+DEADLINE=${DEADLINE:-0}
+OUT=${OUT:-}
 mkdir -p "$LOG_DIR"
+stamp=$(mktemp)  # result files newer than this are this run's
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 RUN=("$PY" -m torch.distributed.run --nproc_per_node="$N")
 
@@ -42,9 +54,9 @@ step_command() {
     rs) echo "${RUN[*]} benchmarks/bench_matmul_rs.py" ;;
     a2a) echo "${RUN[*]} benchmarks/bench_all_to_all.py" ;;
     ar) echo "${RUN[*]} -m benchmarks.bench_all_reduce" ;;
-    train) echo "${RUN[*]} -m benchmarks.bench_train_tp" ;;
+    train) echo "${RUN[*]} -m benchmarks.bench_train_tp --steps 50" ;;
     cp) echo "$PY -m benchmarks.loss_curves --device cuda --dim cp --degrees$(cp_degrees) parallel.comm=triton" ;;
-    decode) echo "${RUN[*]} -m benchmarks.bench_decode --model llama3_70b --batch-sizes 1 8 32 --fp8 --comms torch symm_mem triton" ;;
+    decode) echo "${RUN[*]} -m benchmarks.bench_decode --model llama3_70b --batch-sizes 1 8 --fp8 --compile --comms torch symm_mem triton" ;;
     fp8) echo "$PY -m benchmarks.bench_fp8 && $PY -m benchmarks.bench_fp8_floors && $PY -m benchmarks.bench_decode --model llama3_8b --fp8 && $PY -m benchmarks.bench_decode --model llama3_8b --batch-sizes 1 8 --fp8 --compile" ;;
     *) return 1 ;;
   esac
@@ -60,11 +72,27 @@ echo "weft node run: $N GPU(s), steps: ${steps[*]}, logs in $LOG_DIR"
 summary=()
 for s in "${steps[@]}"; do
   cmd=$(step_command "$s")
-  echo "=== $s: $cmd"
+  limit=$STEP_TIMEOUT
+  if [ "$DEADLINE" -gt 0 ]; then
+    left=$((DEADLINE - SECONDS - 30))  # 30 s for the kill and the packing
+    if [ "$left" -lt 60 ]; then
+      summary+=("$(printf '%-7s skipped: the deadline' "$s")")
+      continue
+    fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
+  echo "=== $s ($limit s at most): $cmd"
   start=$(date +%s)
-  timeout --signal=TERM --kill-after=30 "$STEP_TIMEOUT" bash -c "$cmd" 2>&1 | tee "$LOG_DIR/$s.log"
+  timeout --signal=TERM --kill-after=20 "$limit" bash -c "$cmd" 2>&1 | tee "$LOG_DIR/$s.log"
   rc=${PIPESTATUS[0]}
   summary+=("$(printf '%-7s exit %-3s %5ss' "$s" "$rc" "$(($(date +%s) - start))")")
 done
 echo "=== summary"
-printf '%s\n' "${summary[@]}"
+printf '%s\n' "${summary[@]}" | tee "$LOG_DIR/summary.txt"
+if [ -n "$OUT" ]; then
+  mkdir -p "$OUT"
+  find benchmarks/results -type f -newer "$stamp" >"$LOG_DIR/results.txt"
+  tar cf "$OUT/node-results.tar" -T "$LOG_DIR/results.txt" "$LOG_DIR"
+  echo "packed $(wc -l <"$LOG_DIR/results.txt") result files and the logs into $OUT/node-results.tar"
+fi
+rm -f "$stamp"

@@ -67,3 +67,15 @@ def test_decode_floor_chain_has_the_step_kernels_and_bytes() -> None:
         counts.append(len(ops))
     assert counts == [290, 258, 226, 161]
     assert sum(op.reads for op in step_ops(args, 1, 640, False, STRUCTURES[0], cpu)) == 2 * weights + kv // 8
+
+
+def test_train_tp_compares_each_path_with_the_first() -> None:
+    from benchmarks.bench_train_tp import compare_losses
+
+    rows, diffs = compare_losses(
+        {"torch": [2.0, 1.5, 1.25], "symm_mem": [2.0, 1.5], "triton": [2.0, 1.75, 1.0]}
+    )
+    assert rows[0] == {"step": 1, "torch": 2.0, "symm_mem": 2.0, "triton": 2.0}
+    assert rows[2] == {"step": 3, "torch": 1.25, "symm_mem": None, "triton": 1.0}
+    assert diffs == {"symm_mem": 0.0, "triton": 0.25}
+    assert compare_losses({}) == ([], {})
