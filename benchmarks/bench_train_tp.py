@@ -162,9 +162,10 @@ def main() -> None:
         torch.cuda.empty_cache()
     losses = {row["comm"]: row.pop("losses") for row in rows if "losses" in row}
     loss_rows, diffs = compare_losses(losses)
-    for row in rows:
-        if row["comm"] in diffs:
-            row[f"max loss diff vs {next(iter(losses))}"] = diffs[row["comm"]]
+    if losses:
+        column = f"max loss diff vs {next(iter(losses))}"
+        for row in rows:  # every row, the first path's too: the table's header is the first row's keys
+            row[column] = diffs.get(row["comm"], 0.0) if row["comm"] in losses else None
     if dist.get_rank() == 0:
         switches = [
             ("--compile", opts.compile),
