@@ -117,8 +117,8 @@ def bench_path(comm: str, opts, args: ModelArgs, device: torch.device) -> dict[s
 
 
 def compare_losses(losses: dict[str, list[float]]) -> tuple[list[dict[str, object]], dict[str, float]]:
-    """Per-step rows (step, then each path's loss) and, for every path after the first, the largest
-    |loss - the first path's loss| over the steps both ran."""
+    """Per-step rows (step, then each path's loss) and, for every path, the largest |loss - the first
+    path's loss| over the steps both ran (0 for the first)."""
     if not losses:
         return [], {}
     paths = list(losses)
@@ -128,7 +128,7 @@ def compare_losses(losses: dict[str, list[float]]) -> tuple[list[dict[str, objec
         for i in range(steps)
     ]
     first = losses[paths[0]]
-    diffs = {p: max(abs(a - b) for a, b in zip(losses[p], first, strict=False)) for p in paths[1:]}
+    diffs = {p: max(abs(a - b) for a, b in zip(losses[p], first, strict=False)) for p in paths}
     return rows, diffs
 
 
@@ -164,8 +164,8 @@ def main() -> None:
     loss_rows, diffs = compare_losses(losses)
     if losses:
         column = f"max loss diff vs {next(iter(losses))}"
-        for row in rows:  # every row, the first path's too: the table's header is the first row's keys
-            row[column] = diffs.get(row["comm"], 0.0) if row["comm"] in losses else None
+        for row in rows:  # every row: the table's header is the first row's keys
+            row[column] = diffs.get(row["comm"])
     if dist.get_rank() == 0:
         switches = [
             ("--compile", opts.compile),

@@ -453,9 +453,10 @@ def run_gemms(
     config: GemmConfig,
     num_sms: int,
     timeout_ns: int,
-) -> triton.compiler.CompiledKernel:
+) -> triton.compiler.CompiledKernel | None:
     """The GEMM launches of one call (`launch_gemm` with up to MAX_WEIGHTS weights each), one program
     per SM or per tile where there are fewer tiles. Returns the last launch's compiled kernel."""
+    kernel = None
     for start in range(0, len(bs), MAX_WEIGHTS):
         part = slice(start, start + MAX_WEIGHTS)
         tiles = (

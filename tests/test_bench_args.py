@@ -77,5 +77,5 @@ def test_train_tp_compares_each_path_with_the_first() -> None:
     )
     assert rows[0] == {"step": 1, "torch": 2.0, "symm_mem": 2.0, "triton": 2.0}
     assert rows[2] == {"step": 3, "torch": 1.25, "symm_mem": None, "triton": 1.0}
-    assert diffs == {"symm_mem": 0.0, "triton": 0.25}
+    assert diffs == {"torch": 0.0, "symm_mem": 0.0, "triton": 0.25}
     assert compare_losses({}) == ([], {})
