@@ -115,8 +115,9 @@ class GemmConfig:
 # (largest N, config), first match. 128x256x64 / 8 warps is the wgmma-friendly Hopper tile; its 4th
 # stage took the GEMM alone about 1% closer to cuBLAS than 3 stages at every benchmark shape on one H200
 # and was within noise of it on one H100 (benchmarks/results/matmul_rs_gemm-h100.md). Narrow outputs
-# get 128x128 tiles so that enough tiles exist to fill the SMs. Refine from `torchrun --nproc_per_node=4 benchmarks/bench_matmul_rs.py
-# --sweep`, the GEMM alone from `python -m benchmarks.bench_matmul_rs --gemm-alone --sweep` on one GPU.
+# get 128x128 tiles so that enough tiles exist to fill the SMs. Refine from `torchrun
+# --nproc_per_node=4 benchmarks/bench_matmul_rs.py --sweep`, the GEMM alone from
+# `python -m benchmarks.bench_matmul_rs --gemm-alone --sweep` on one GPU.
 CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
     (1024, GemmConfig(128, 128, 64, 8, 8, 4)),
     (1 << 62, GemmConfig(128, 256, 64, 8, 8, 4)),
