@@ -43,7 +43,9 @@ Why this shape:
   (bench_decode_attention --sweep, Llama-3-8B heads, decode_attention_sweep-h100.md): 32 rather than
   64 positions per split at least takes batch 1 at 640 positions from 8.58 to 7.40 us (16 splits, each
   one tile, all loaded before the PDL wait) and is as fast elsewhere; 32-position tiles gain there too
-  (7.14 us) but lose 5% at 4096 positions; 4 programs per SM lose at batch 8.
+  (7.14 us) but lose 5% at 4096 positions; 4 programs per SM lose at batch 8. Re-swept on one H200
+  with the one-launch form (decode_attention_sweep-h200.md): these settings are the fastest or within
+  1.5% of it at batch 1 and 8, 640 and 4096 positions.
 - One launch rather than two. In the earlier form (a split kernel, then a combine kernel per
   (sequence, kv head)) the op was latency-bound at decode sizes, the second launch and its dependent
   loads a large part of it. One layer of Llama-3-8B at 640 positions (bench_decode_attention, bf16):
