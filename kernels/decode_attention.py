@@ -1,13 +1,14 @@
 """Decode attention for one new token per sequence, fused: rotary embedding of q and the new k, the
 KV-cache write, and split-KV ("flash-decoding") attention over the cached positions, with the output
-in bf16 or quantized to e4m3 with one scale per token (the kernels.fp8 rule) for the FP8 wo GEMM.
+in bf16 or quantized to e4m3 (the kernels.fp8 rule) with one scale per token and kv head, which the FP8
+wo GEMM applies to its group of K (kernels/fp8_gemm.py).
 
     q [B, 1, Hq * D], k, v [B, 1, Hkv * D]   (rows may be column slices of one fused qkv output)
     rope [max_seq_len, D / 2, 2]             (the model's whole rotary table, fp32 or cast with the
                                               model; read at the position)
     input_pos [1] int64 on the device        (every sequence at the same position, read in-kernel)
     k_cache, v_cache [B, Hkv, L, D]          (rotated k and v written at the position)
-    -> out [B, 1, Hq * D] bf16, or (e4m3 [B, 1, Hq * D], fp32 scales [B])
+    -> out [B, 1, Hq * D] bf16, or (e4m3 [B, 1, Hq * D], fp32 scales [B, Hkv])
 
 One kernel, one launch, a program per (sequence, kv head, split of the positions): it rotates the
 G = Hq / Hkv query heads of its kv head in registers and scores them together with tl.dot (G padded to
@@ -16,11 +17,15 @@ the program whose share holds the current position also rotates the new k, write
 and folds them in from registers, so no program reads a cache row written in the same launch. Each
 program stores its partial output, running max and sum to a small fp32 workspace and counts itself in
 with an atomic; the last split of a (sequence, kv head) to arrive reads every split's partials back and
-weighs them into the bf16 output ("split-K with last-arriver reduction"; with one split its program
-writes the output directly). For FP8 the last kv head of a sequence to finish (a second count) reads
-the whole bf16 row back, takes its amax and quantizes it, so the per-token scale covers every head.
-The counts live in a persistent zeroed per-device workspace (arrival_counters) that each last arriver
-sets back to 0, so a CUDA graph's replays reuse it as is.
+weighs them into the output ("split-K with last-arriver reduction"; with one split its program writes
+the output directly). For FP8 that program quantizes its kv head's G x D outputs with one scale, their
+amax / 448: a scale per token and kv head rather than per token, because one per token needs every kv
+head's output, i.e. a second count per sequence and the bf16 row written and read back. Against that
+earlier form, on one H200 (Llama-3-8B, 640 positions): one layer 6.01 -> 4.94 us at batch 1 and 12.49
+-> 11.50 us at batch 8 (bench_decode_attention), the compiled FP8 decode step 2.447 -> 2.423 and 2.773
+-> 2.739 ms (bench_decode --fp8-only --compile). The counts live in a persistent
+zeroed per-device workspace (arrival_counters) that each last arriver sets back to 0, so a CUDA
+graph's replays reuse it as is.
 
 Why this shape:
 - Reading the cache is the whole cost (Llama-3-8B, 640 positions: 2.6 MB a layer, about 0.9 us on an
@@ -74,7 +79,7 @@ from kernels.fp8 import (
     pdl_wait,
     programs_cap,
     quantize_reference,
-    store_row,
+    to_fp8,
 )
 from kernels.workspace import Workspaces, persistent_workspace
 
@@ -217,29 +222,22 @@ def _combine_splits(o_part_ptr, m_part_ptr, l_part_ptr, heads, row_mask, dim, SP
 
 
 @triton.jit
-def _write_output(out, rows, out_ptr, fp8_ptr, scale_ptr, seq_counter_ptr, b, h, n_kv_heads,
-                  G: tl.constexpr, D: tl.constexpr, ROW_PAD: tl.constexpr, FP8_OUT: tl.constexpr,
-                  SNAP: tl.constexpr):  # fmt: skip
-    """Store a kv head's output rows [rows, D] (fp32) in out_ptr's dtype; for FP8 the last kv head of
-    the sequence to get here then quantizes the sequence's whole row: the per-token scale needs every
-    head's output. It re-arms the sequence's arrival count for the next call."""
-    row_len = n_kv_heads * G * D
-    out_row = out_ptr + b.to(tl.int64) * row_len
-    tl.store(
-        out_row + (h * G + rows)[:, None] * D + tl.arange(0, D)[None, :],
-        downcast(out, out_ptr.dtype.element_ty, SNAP),
-        mask=(rows < G)[:, None],
-    )
+def _write_output(out, rows, out_ptr, scale_ptr, b, h, n_kv_heads, G: tl.constexpr, D: tl.constexpr,
+                  FP8_OUT: tl.constexpr, SNAP: tl.constexpr):  # fmt: skip
+    """Store a kv head's output rows [rows, D] (fp32, rows past G padding) into the sequence's row of
+    out_ptr: in its dtype, or for FP8 as e4m3 with one scale for the kv head at scale_ptr[b, h]. The
+    values are rounded to bf16 first, as the stock path's attention output is."""
+    out_row = out_ptr + b.to(tl.int64) * n_kv_heads * G * D
+    ptrs = out_row + (h * G + rows)[:, None] * D + tl.arange(0, D)[None, :]
+    valid = (rows < G)[:, None]
     if FP8_OUT:
-        # The barrier orders every thread's stores before the count.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(seq_counter_ptr, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_kv_heads - 1:
-            tl.store(seq_counter_ptr, 0)
-            cols = tl.arange(0, ROW_PAD)
-            inside = cols < row_len
-            x = tl.load(out_row + cols, mask=inside, other=0.0, cache_modifier=".cg").to(tl.float32)
-            store_row(x, fp8_ptr, b, row_len, cols, inside, scale_ptr, 1.0, QUANT=2, SNAP=SNAP)
+        out = downcast(out, tl.bfloat16, SNAP).to(tl.float32)
+        amax = tl.max(tl.max(tl.where(valid, tl.abs(out), 0.0), axis=1), axis=0)
+        scale = tl.maximum(amax, 1e-12 * 448.0) / 448.0  # kernels.fp8's rule
+        tl.store(scale_ptr + b * n_kv_heads + h, scale)
+        tl.store(ptrs, to_fp8(out, 1.0 / scale, SNAP), mask=valid)
+    else:
+        tl.store(ptrs, downcast(out, out_ptr.dtype.element_ty, SNAP), mask=valid)
 
 
 @triton.jit
@@ -255,7 +253,6 @@ def _decode_attention_kernel(
     m_part_ptr,
     l_part_ptr,
     out_ptr,
-    fp8_ptr,
     scale_ptr,
     counter_ptr,
     n_kv_heads,
@@ -272,7 +269,6 @@ def _decode_attention_kernel(
     G_ROWS: tl.constexpr,
     D: tl.constexpr,
     SPLITS: tl.constexpr,
-    ROW_PAD: tl.constexpr,
     BLOCK: tl.constexpr,
     FP8_OUT: tl.constexpr,
     SNAP: tl.constexpr,
@@ -341,19 +337,17 @@ def _decode_attention_kernel(
     acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)
     m_i = m_new
 
-    # Arrival counts: one per (sequence, kv head) for its splits, then one per sequence for FP8.
-    seq_counter_ptr = counter_ptr + tl.num_programs(0) + b
     if SPLITS == 1:
         l_i = tl.where(rows < G, l_i, 1.0)  # padding rows: 1 rather than 0 / 0
-        _write_output(acc / l_i[:, None], rows, out_ptr, fp8_ptr, scale_ptr, seq_counter_ptr, b, h,
-                      n_kv_heads, G, D, ROW_PAD, FP8_OUT, SNAP)  # fmt: skip
+        _write_output(acc / l_i[:, None], rows, out_ptr, scale_ptr, b, h, n_kv_heads, G, D, FP8_OUT, SNAP)
     else:
         heads = (b64 * n_kv_heads + h) * G + rows
         part = heads * SPLITS + split
         tl.store(o_part_ptr + part[:, None] * D + dim[None, :], acc, mask=row_mask)
         tl.store(m_part_ptr + part, m_i, mask=rows < G)
         tl.store(l_part_ptr + part, l_i, mask=rows < G)
-        # The last split of this kv head to get here weighs them all together. The barrier orders every
+        # The last split of this kv head to get here (one count per (sequence, kv head)) weighs them all
+        # together. The barrier orders every
         # thread's stores before the count; acquire-release makes them visible to that program.
         tl.debug_barrier()
         split_counter_ptr = counter_ptr + pid
@@ -363,8 +357,7 @@ def _decode_attention_kernel(
             out_rows = tl.arange(0, G_ROWS)
             out_heads = (b64 * n_kv_heads + h) * G + out_rows
             out = _combine_splits(o_part_ptr, m_part_ptr, l_part_ptr, out_heads, out_rows < G, dim, SPLITS, D)
-            _write_output(out, out_rows, out_ptr, fp8_ptr, scale_ptr, seq_counter_ptr, b, h, n_kv_heads,
-                          G, D, ROW_PAD, FP8_OUT, SNAP)  # fmt: skip
+            _write_output(out, out_rows, out_ptr, scale_ptr, b, h, n_kv_heads, G, D, FP8_OUT, SNAP)
 
 
 def _check(q, k, v, rope, input_pos, k_cache, v_cache) -> None:
@@ -433,7 +426,7 @@ def arrival_counters(device: torch.device, numel: int) -> torch.Tensor:
     return persistent_workspace(_COUNTERS, device, numel, 0, 4096, "decode attention's arrival counts")
 
 
-def _launch(q, k, v, rope, input_pos, k_cache, v_cache, out, fp8_out, scales) -> None:
+def _launch(q, k, v, rope, input_pos, k_cache, v_cache, out, scales) -> None:
     batch, n_kv_heads, cache_len, head_dim = k_cache.shape
     group = q.shape[2] // head_dim // n_kv_heads
     splits = num_splits(batch, n_kv_heads, group, head_dim, cache_len, q.device)
@@ -443,14 +436,14 @@ def _launch(q, k, v, rope, input_pos, k_cache, v_cache, out, fp8_out, scales) ->
     o_part = torch.empty(rows * splits * head_dim, dtype=torch.float32, device=q.device)
     m_part = torch.empty(rows * splits, dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
-    counters = arrival_counters(q.device, batch * (n_kv_heads + 1))
+    counters = arrival_counters(q.device, batch * n_kv_heads)
     _decode_attention_kernel[(batch * n_kv_heads, splits)](
         q, k, v, rope, input_pos, k_cache, v_cache, o_part, m_part, l_part, out,
-        fp8_out if fp8_out is not None else out, scales if scales is not None else m_part, counters,
-        n_kv_heads, cache_len, q.stride(0), k.stride(0), v.stride(0), rope.stride(0),
-        k_cache.stride(0), k_cache.stride(1), LOG2E / math.sqrt(head_dim),
+        scales if scales is not None else m_part, counters, n_kv_heads, cache_len, q.stride(0),
+        k.stride(0), v.stride(0), rope.stride(0), k_cache.stride(0), k_cache.stride(1),
+        LOG2E / math.sqrt(head_dim),
         G=group, G_PAD=max(16, group_rows), G_ROWS=group_rows, D=head_dim, SPLITS=splits,
-        ROW_PAD=triton.next_power_of_2(q.shape[2]), BLOCK=BLOCK_N, FP8_OUT=fp8_out is not None,
+        BLOCK=BLOCK_N, FP8_OUT=scales is not None,
         SNAP=INTERPRETED, PDL=pdl_for(q.device), num_warps=NUM_WARPS,
         num_stages=pipeline_stages(cache_len, splits), **launch_options(q.device),
     )  # fmt: skip
@@ -469,7 +462,7 @@ def decode_attention_bf16(
     """Attention output [B, 1, Hq * D] in the cache's dtype (module docstring; see decode_attention)."""
     _check(q, k, v, rope, input_pos, k_cache, v_cache)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _launch(q, k, v, rope, input_pos, k_cache, v_cache, out, None, None)
+    _launch(q, k, v, rope, input_pos, k_cache, v_cache, out, None)
     return out
 
 
@@ -478,7 +471,9 @@ def _(q, k, v, rope, input_pos, k_cache, v_cache):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("weft::decode_attention_fp8", mutates_args=("k_cache", "v_cache"))
+# Named for its scales' shape: torch.compile's FX graph cache does not key on an op's fake function, so
+# a graph compiled against the per-token scales of before would be replayed with the wrong shape.
+@torch.library.custom_op("weft::decode_attention_fp8_head_scales", mutates_args=("k_cache", "v_cache"))
 def decode_attention_fp8(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -488,18 +483,18 @@ def decode_attention_fp8(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention output quantized: e4m3 [B, 1, Hq * D] and fp32 scales [B], one per token."""
+    """Attention output quantized: e4m3 [B, 1, Hq * D] and fp32 scales [B, Hkv], one per token and kv
+    head (the G * D elements of the row that the kv head's query heads output)."""
     _check(q, k, v, rope, input_pos, k_cache, v_cache)
-    row = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     out = torch.empty(q.shape, dtype=FP8, device=q.device)
-    scales = torch.empty(q.shape[0], dtype=torch.float32, device=q.device)
-    _launch(q, k, v, rope, input_pos, k_cache, v_cache, row, out, scales)
+    scales = torch.empty(q.shape[0], k_cache.shape[1], dtype=torch.float32, device=q.device)
+    _launch(q, k, v, rope, input_pos, k_cache, v_cache, out, scales)
     return out, scales
 
 
 @decode_attention_fp8.register_fake
 def _(q, k, v, rope, input_pos, k_cache, v_cache):
-    return q.new_empty(q.shape, dtype=FP8), q.new_empty(q.shape[0], dtype=torch.float32)
+    return q.new_empty(q.shape, dtype=FP8), q.new_empty(q.shape[0], k_cache.shape[1], dtype=torch.float32)
 
 
 def decode_attention(
@@ -515,7 +510,8 @@ def decode_attention(
     """Attention of one new token per sequence at position input_pos [1] over the KV cache, which it
     updates: q [B, 1, Hq * D], k, v [B, 1, Hkv * D] as projected (not yet rotated), rope the model's
     whole rotary table. Returns [B, 1, Hq * D] in the cache's dtype, or with `fp8` the e4m3 values and
-    their fp32 scales [B] (scale = amax / 448)."""
+    their fp32 scales [B, Hkv] (scale = amax / 448 of each kv head's G * D outputs; fp8_gemm takes them
+    as scales per token and group of K)."""
     op = decode_attention_fp8 if fp8 else decode_attention_bf16
     return op(q, k, v, rope, input_pos, k_cache, v_cache)
 
@@ -545,5 +541,5 @@ def decode_attention_reference(
     out = out.transpose(1, 2).reshape(batch, 1, -1)
     if not fp8:
         return out
-    values, scales = quantize_reference(out.view(batch, -1))
+    values, scales = quantize_reference(out.view(batch, n_kv_heads, -1))
     return values.view(out.shape), scales

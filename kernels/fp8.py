@@ -2,8 +2,9 @@
 kernel.
 
 Scales follow one rule everywhere: `scale = amax / 448`, `q = clamp(x / scale, -448, 448)` cast to
-e4m3, and `x ≈ q * scale`. Activations get a scale per token (row) or one static scale; weights get a
-scale per output channel (row of the [N, K] weight) or one per tensor.
+e4m3, and `x ≈ q * scale`. Activations get a scale per token (row), per token and group of K (the
+decode attention's output: one per kv head's slice of the row) or one static scale; weights get a scale
+per output channel (row of the [N, K] weight) or one per tensor.
 """
 
 from __future__ import annotations
@@ -153,9 +154,14 @@ def quantize_reference(
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """e4m3 values [..., K] times their per-row [...] or per-tensor scale, in fp32."""
+    """e4m3 values [..., K] times their per-row [...], per-group [..., G] (each row in G groups of K / G
+    elements) or per-tensor scale, in fp32."""
     scale = scale.float()
-    return q.float() * (scale if scale.numel() == 1 else scale.unsqueeze(-1))
+    if scale.numel() == 1:
+        return q.float() * scale
+    if scale.dim() == q.dim():
+        return (q.float().unflatten(-1, (scale.shape[-1], -1)) * scale.unsqueeze(-1)).flatten(-2)
+    return q.float() * scale.unsqueeze(-1)
 
 
 def quantize_weight_per_channel(

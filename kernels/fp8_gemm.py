@@ -1,6 +1,7 @@
 """Skinny GEMM for decode, FP8 or bf16: out[M, N] = (A[M, K] * a_scale) @ (B[N, K] * b_scale)^T in bf16,
-for M <= 64 tokens, A and B in e4m3, A scaled per token (or per tensor), B per output channel (or per
-tensor); or A and B in bf16 without scales (`bf16_gemm`, the bf16 decode path's linear layers). One
+for M <= 64 tokens, A and B in e4m3, A scaled per token, per token and group of K (the decode
+attention's output: one scale per kv head's slice of the row) or per tensor, B per output channel (or
+per tensor); or A and B in bf16 without scales (`bf16_gemm`, the bf16 decode path's linear layers). One
 kernel serves both: a bf16 tile of the same bytes has half the K, so bf16 configs take half the block_k.
 
 At decode M is tiny, so the time is the time to read B (N * K bytes) once. The grid spreads B over
@@ -21,6 +22,11 @@ which brings the error to torch._scaled_mm's. (Triton's own promotion, `max_num_
 adds inside the MMA chain, and ptxas then serializes every wgmma of the kernel: up to 35% slower at
 M = 64; fp8-notes.md.)
 
+A scaled per token and group of K: each K tile's dot is multiplied by its group's scales as it is
+added (the tile shrunk to fit inside a group). That costs nothing measurable: the FP8 decode step's
+GEMMs took 2174 us before and 2172 us after its wo took the attention's per-kv-head scales (one H200,
+batch 1, compiled, PDL off, decode_profile, two runs).
+
 Tile configs are tuned per GPU model and (M bucket, N, K) by `benchmarks/bench_fp8.py --tune` and kept in
 fp8_gemm_configs.json beside this file, so serving never autotunes (triton.autotune would time configs
 inside the first call, i.e. inside a CUDA-graph warm-up, and its choice would differ run to run). A GPU
@@ -37,7 +43,7 @@ same loop for both dtypes, so that one pipeline is tuned and tested.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cache
 from pathlib import Path
 
@@ -46,10 +52,23 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels.fp8 import FP8, INTERPRETED, downcast, launch_options, pdl_for, pdl_wait, programs_cap
+from kernels.fp8 import (
+    FP8,
+    INTERPRETED,
+    dequantize,
+    downcast,
+    launch_options,
+    pdl_for,
+    pdl_wait,
+    programs_cap,
+    quantize_reference,
+)
 from kernels.workspace import Workspaces, persistent_workspace
 
 MAX_M = 64
+# The smallest group of K with a scale of its own that the kernel takes (e4m3 wgmma's K step, and the
+# K tile is shrunk to fit the group): A scaled in smaller groups is re-quantized per token first.
+MIN_A_GROUP = 32
 CONFIG_FILE = Path(__file__).with_name("fp8_gemm_configs.json")
 
 
@@ -161,6 +180,12 @@ def _tile_dot(x, y, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _group_scale(a_scale_ptr, offs_m, M, k0, K, groups, A_GROUP: tl.constexpr):
+    """The scales [BLOCK_M] of the A group holding K index k0 (0 past M or K: padding rows and tiles)."""
+    return tl.load(a_scale_ptr + offs_m * groups + k0 // A_GROUP, mask=(offs_m < M) & (k0 < K), other=0.0)
+
+
+@triton.jit
 def _skinny_gemm_kernel(
     a_ptr,
     b_ptr,
@@ -177,6 +202,7 @@ def _skinny_gemm_kernel(
     stride_om,
     SCALED: tl.constexpr,
     A_PER_TOKEN: tl.constexpr,
+    A_GROUP: tl.constexpr,
     B_PER_CHANNEL: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -217,7 +243,12 @@ def _skinny_gemm_kernel(
     if EARLY_TILE:
         a_first = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
     if SCALED:
-        if A_PER_TOKEN:
+        if A_GROUP:  # [M, K / A_GROUP]: each K tile lies in one group, scaled as its dot is added
+            groups = K // A_GROUP
+            a_scale = 1.0
+            if EARLY_TILE:
+                a_first_scale = _group_scale(a_scale_ptr, offs_m, M, pid_k * k_per_split, K, groups, A_GROUP)
+        elif A_PER_TOKEN:
             a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
         else:
             a_scale = tl.load(a_scale_ptr)
@@ -225,7 +256,7 @@ def _skinny_gemm_kernel(
         acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for _ in range(EARLY_TILE, tl.cdiv(k_per_split, BLOCK_K)):
+    for i in range(EARLY_TILE, tl.cdiv(k_per_split, BLOCK_K)):
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
         offs_k += BLOCK_K
@@ -235,15 +266,29 @@ def _skinny_gemm_kernel(
         if SWAP_AB:
             # out^T = B @ A^T: the weight tile is the MMA's M side (>= 64 rows: Hopper's wgmma, which
             # reads e4m3 and bf16 straight from shared memory), the few tokens its N side.
-            acc_t += _tile_dot(b, tl.trans(a), UPCAST)
+            part_t = _tile_dot(b, tl.trans(a), UPCAST)
+            if SCALED and A_GROUP:
+                k0 = pid_k * k_per_split + i * BLOCK_K
+                part_t *= _group_scale(a_scale_ptr, offs_m, M, k0, K, groups, A_GROUP)[None, :]
+            acc_t += part_t
         else:
-            acc += _tile_dot(a, tl.trans(b), UPCAST)
+            part = _tile_dot(a, tl.trans(b), UPCAST)
+            if SCALED and A_GROUP:
+                k0 = pid_k * k_per_split + i * BLOCK_K
+                part *= _group_scale(a_scale_ptr, offs_m, M, k0, K, groups, A_GROUP)[:, None]
+            acc += part
     if SWAP_AB:
         if EARLY_TILE:
-            acc_t += _tile_dot(b_first, tl.trans(a_first), UPCAST)
+            part_t = _tile_dot(b_first, tl.trans(a_first), UPCAST)
+            if SCALED and A_GROUP:
+                part_t *= a_first_scale[None, :]
+            acc_t += part_t
         acc = tl.trans(acc_t)
     elif EARLY_TILE:
-        acc += _tile_dot(a_first, tl.trans(b_first), UPCAST)
+        part = _tile_dot(a_first, tl.trans(b_first), UPCAST)
+        if SCALED and A_GROUP:
+            part *= a_first_scale[:, None]
+        acc += part
     if SCALED:
         acc = acc * a_scale * b_scale
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -294,11 +339,30 @@ def _check(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: tor
         raise ValueError(f"fp8_gemm needs A [M, K] and B [N, K], got {tuple(a.shape)} and {tuple(b.shape)}")
     if a.stride(1) != 1 or b.stride(1) != 1:
         raise ValueError("fp8_gemm needs A and B contiguous along K")
-    if a_scale.numel() not in (1, a.shape[0]) or b_scale.numel() not in (1, b.shape[0]):
+    (m, k), groups = a.shape, a_groups(a_scale)
+    if groups > 1 and (a_scale.shape[0] != m or k % groups or not a_scale.is_contiguous()):
         raise ValueError(
-            f"scales must be per tensor (1) or per row: a_scale has {a_scale.numel()} for M={a.shape[0]}, "
-            f"b_scale has {b_scale.numel()} for N={b.shape[0]}"
+            f"a_scale per token and group of K must be a contiguous [M, G] with G dividing K: got "
+            f"{tuple(a_scale.shape)} for A of shape {tuple(a.shape)}"
         )
+    if (groups == 1 and a_scale.numel() not in (1, m)) or b_scale.numel() not in (1, b.shape[0]):
+        raise ValueError(
+            f"scales must be per tensor (1) or per row (a_scale may also be [M, G], per token and group "
+            f"of K): a_scale has {a_scale.numel()} for M={m}, b_scale has {b_scale.numel()} for "
+            f"N={b.shape[0]}"
+        )
+
+
+def a_groups(a_scale: torch.Tensor) -> int:
+    """Groups of K that A's scales split each row into: G for [M, G] scales (G > 1), else 1."""
+    return a_scale.shape[1] if a_scale.dim() == 2 else 1
+
+
+def requantize_per_token(a: torch.Tensor, a_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A scaled per token and group of K re-quantized with one scale per token (others as they are)."""
+    if a_groups(a_scale) == 1:
+        return a, a_scale
+    return quantize_reference(dequantize(a, a_scale))
 
 
 def _check_bf16(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -322,6 +386,13 @@ def _skinny_gemm(
     if m > MAX_M:
         raise ValueError(f"the skinny GEMM handles M <= {MAX_M}, got M={m}: use fp8_gemm or bf16_gemm")
     cfg = config or config_for(m, n, k, a.device, a.dtype)
+    group = k // a_groups(a_scale) if a_scale is not None and a_groups(a_scale) > 1 else 0
+    if group:
+        # Each K tile must lie in one group: halve the tile until it divides the group.
+        block_k = cfg.block_k
+        while group % block_k:
+            block_k //= 2
+        cfg = replace(cfg, block_k=block_k)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
@@ -344,6 +415,7 @@ def _skinny_gemm(
         out.stride(0),
         SCALED=scaled,
         A_PER_TOKEN=scaled and a_scale.numel() > 1,
+        A_GROUP=group,
         B_PER_CHANNEL=scaled and b_scale.numel() > 1,
         BLOCK_M=m_bucket(m),
         BLOCK_N=cfg.block_n,
@@ -368,10 +440,13 @@ def skinny_fp8_gemm(
     b_scale: torch.Tensor,
     config: GemmConfig | None = None,
 ) -> torch.Tensor:
-    """The Triton kernel for M <= 64 (see the module docstring); `config` overrides the tuned one."""
+    """The Triton kernel for M <= 64 (see the module docstring); `config` overrides the tuned one (with
+    A scaled per group of K, its block_k shrunk to divide the group)."""
     _check(a, a_scale, b, b_scale)
     if a.shape[0] > MAX_M:
         raise ValueError(f"skinny_fp8_gemm handles M <= {MAX_M}, got M={a.shape[0]}: use fp8_gemm")
+    if a.shape[1] // a_groups(a_scale) % MIN_A_GROUP:
+        a, a_scale = requantize_per_token(a, a_scale)
     return _skinny_gemm(a, b, a_scale, b_scale, config)
 
 
@@ -387,13 +462,15 @@ def skinny_bf16_gemm(a: torch.Tensor, b: torch.Tensor, config: GemmConfig | None
 def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
     """bf16 [M, N] = dequant(A [M, K]) @ dequant(B [N, K])^T: weft's kernel up to M = 64, then
     `torch._scaled_mm` (row-wise scales) on GPU where K and N are multiples of 16 (else our kernel on
-    64-row slices). A: e4m3 activations with per-token [M] or per-tensor [1] fp32 scales; B: the
-    e4m3 weight [N, K] with per-channel [N] or per-tensor [1] scales (quantize_weight_per_channel)."""
+    64-row slices). A: e4m3 activations with per-token [M], per token and group of K [M, G] (G groups
+    of K / G elements: re-quantized per token past M = 64) or per-tensor [1] fp32 scales; B: the e4m3
+    weight [N, K] with per-channel [N] or per-tensor [1] scales (quantize_weight_per_channel)."""
     _check(a, a_scale, b, b_scale)
     if a.shape[0] <= MAX_M:
         return skinny_fp8_gemm(a, a_scale, b, b_scale)
     if a.device.type != "cuda":
         return fp8_gemm_reference(a, a_scale, b, b_scale)
+    a, a_scale = requantize_per_token(a, a_scale)
     if a.shape[1] % 16 or b.shape[0] % 16:
         # torch._scaled_mm needs K and N in multiples of 16: run our kernel on 64-row slices.
         per_token = a_scale.numel() > 1
@@ -418,7 +495,10 @@ def _(a, a_scale, b, b_scale):
 def fp8_gemm_reference(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor
 ) -> torch.Tensor:
-    a_scale, b_scale = a_scale.float().reshape(-1, 1), b_scale.float().reshape(1, -1)
+    b_scale = b_scale.float().reshape(1, -1)
+    if a_groups(a_scale) > 1:
+        return (dequantize(a, a_scale) @ b.float().t() * b_scale).to(torch.bfloat16)
+    a_scale = a_scale.float().reshape(-1, 1)
     return ((a.float() @ b.float().t()) * a_scale * b_scale).to(torch.bfloat16)
 
 

@@ -10,8 +10,9 @@ and after the last block: residual add + RMSNorm -> output GEMM -> logits.
 
 The structure is the same in bf16 (`model.decode_kernels`, Bf16Kernels here) and in FP8 (`model.fp8`,
 model/fp8.py's Fp8Kernels). What differs is the form activations travel in between the kernels, bf16
-tensors or e4m3 values with one scale per token (quantized inside the norm and SwiGLU kernels), and the
-GEMM the weights run on: a DecodeKernels object names those kernels and builds the weights.
+tensors or e4m3 values with one scale per token (per token and kv head out of the attention), quantized
+inside the norm, SwiGLU and attention kernels, and the GEMM the weights run on: a DecodeKernels object
+names those kernels and builds the weights.
 
 A tensor-parallel model (parallel/ planned it; each rank holds its shards) converts the same way, given
 hooks from parallel/ (`decode_hooks`): `reduce` sums the partial outputs of the row-parallel wo and w2 over

@@ -7,8 +7,10 @@ per output channel, and each block run on weft's fused FP8 kernels (model/decode
 
 and after the last block: residual add + RMSNorm + quantize -> output FP8 GEMM -> logits.
 
-Activations get one scale per token, computed inside the norm and SwiGLU kernels. The projections
-that read the same input are fused into one weight, so each reads its input once and launches once.
+Activations get one scale per token, computed inside the norm and SwiGLU kernels; the attention output
+one per token and kv head, computed inside the decode attention kernel (the FP8 GEMM scales each kv
+head's slice of K by its own). The projections that read the same input are fused into one weight, so
+each reads its input once and launches once.
 
 serve.py quantizes each block as soon as it has its weights (model/decode.py's `convert_block`, parallel/'s
 `materialize` calling it block by block), so that the model never exists whole in bf16: Llama-3-70B in

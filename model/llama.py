@@ -124,8 +124,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Rotary embeddings, the KV cache and attention for projected q, k, v [B, S, heads * D], with
         `rope` the model's whole rotary table; returns [B, S, n_heads * D], the input of the output
-        projection, or with `fp8_output` that quantized per token: (e4m3 [B, S, n_heads * D], fp32
-        scales [B * S]) for an FP8 output projection."""
+        projection, or with `fp8_output` that quantized for an FP8 output projection: e4m3 [B, S,
+        n_heads * D] with fp32 scales per token [B * S], or from the fused decode kernel per token and
+        kv head [B, n_kv_heads] (kernels.decode_attention)."""
         bsz, seqlen = q.shape[:2]
         if self._fused_decode(q, seqlen):
             # One new token over the cache: rotary, cache write, attention (and quantize) in one op.

@@ -111,7 +111,7 @@ def assert_matches_reference(shape: tuple[int, ...], fp8: bool) -> None:
         assert rel_err(out, ref) < 1e-2
         return
     (values, scales), (ref_values, ref_scales) = out, ref
-    assert values.shape == q.shape and values.dtype == torch.float8_e4m3fn and scales.shape == (shape[0],)
+    assert values.shape == q.shape and values.dtype == torch.float8_e4m3fn and scales.shape == shape[:3:2]
     torch.testing.assert_close(scales, ref_scales, rtol=2e-2, atol=0)
     batch = shape[0]
     got = dequantize(values.view(batch, -1), scales)
@@ -305,28 +305,28 @@ def test_compiled_step_updates_the_cache_in_place() -> None:
 
 def check_sm90_ptx() -> None:
     """The kernel compiles for sm_90 at the served head shapes without register spills, the combine and
-    the FP8 row quantize included, waiting on the previous kernel (PDL); the splits count arrivals with
-    one acquire-release atomic, and FP8 sequences with a second (one split needs no count)."""
-    pointers = ["q_ptr", "k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"]
+    the FP8 quantize included, waiting on the previous kernel (PDL); the splits count arrivals with one
+    acquire-release atomic (one split needs no count), FP8 output included."""
+    pointers = ["q_ptr", "k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"]
     signature = {name: "*bf16" for name in pointers}
     signature.update(
         {name: "*fp32" for name in ["rope_ptr", "o_part_ptr", "m_part_ptr", "l_part_ptr", "scale_ptr"]},
-        fp8_ptr="*fp8e4nv",
         pos_ptr="*i64",
         counter_ptr="*i32",
         qk_scale="fp32",
     )
     ints = ["n_kv_heads", "cache_len", "stride_q", "stride_k", "stride_v", "stride_rope"]
     signature.update(dict.fromkeys([*ints, "stride_cb", "stride_ch"], "i32"))
-    # (query heads, kv heads, head dim): Llama-3-8B, Llama-3-70B, a small-head model, Llama-3-405B (the
-    # longest row the FP8 quantize holds: 128 elements a thread at 4 warps).
+    # (query heads, kv heads, head dim): Llama-3-8B, Llama-3-70B, a small-head model, Llama-3-405B (16
+    # query heads a kv head).
     for n_heads, n_kv_heads, head_dim in [(32, 8, 128), (64, 8, 128), (16, 8, 64), (128, 8, 128)]:
         group = n_heads // n_kv_heads
         for splits in (1, da.max_splits(group, head_dim)):
             for fp8 in (False, True):
+                signature["out_ptr"] = "*fp8e4nv" if fp8 else "*bf16"
                 constexprs = dict(
                     G=group, G_PAD=max(16, group), G_ROWS=group, D=head_dim, SPLITS=splits,
-                    ROW_PAD=n_heads * head_dim, BLOCK=da.BLOCK_N, FP8_OUT=fp8, SNAP=False, PDL=True,
+                    BLOCK=da.BLOCK_N, FP8_OUT=fp8, SNAP=False, PDL=True,
                 )  # fmt: skip
                 kernel = compile_sm90(
                     da._decode_attention_kernel, signature, constexprs, num_warps=da.NUM_WARPS
@@ -334,7 +334,7 @@ def check_sm90_ptx() -> None:
                 ptx = kernel.asm["ptx"]
                 assert "griddepcontrol.wait" in ptx
                 assert "0 bytes spill stores" in ptxas_log(ptx), (n_heads, n_kv_heads, head_dim, splits, fp8)
-                atomics = (splits > 1) + fp8
+                atomics = int(splits > 1)
                 assert ptx.count("atom.global.gpu.acq_rel.add") == atomics
                 # Whatever another program wrote is read back from L2, not from a stale L1 line.
                 assert ("ld.global.cg" in ptx) == (atomics > 0)

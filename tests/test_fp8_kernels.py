@@ -175,6 +175,54 @@ def test_skinny_gemm_long_positive_sums(
     assert rel_err(out, fp8_gemm_reference(a, a_scale, b, b_scale)) < 4e-3
 
 
+def quantize_groups(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] in e4m3 with one scale per token and group of K / groups elements: [M, groups]."""
+    q, scales = quantize_reference(x.view(x.shape[0], groups, -1))
+    return q.view(x.shape), scales
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 33])
+@pytest.mark.parametrize(
+    ("n", "k", "groups", "config"),
+    [
+        (96, 512, 4, None),  # groups of 128: the K tile shrinks to fit where the config's is larger
+        (200, 1024, 2, GemmConfig(64, 256, 3, swap_ab=True)),  # a split inside a group
+        (72, 768, 6, GemmConfig(32, 128, 2, swap_ab=False)),
+        (136, 1024, 16, GemmConfig(64, 256, 1, num_stages=5, swap_ab=True, early_tile=False)),  # tile 64
+        (64, 4096, 8, GemmConfig(64, 512, 2, swap_ab=True)),  # Llama-3-8B's wo: a kv head's 512 per group
+    ],
+)
+def test_skinny_gemm_group_scales(
+    poisoned: None, m: int, n: int, k: int, groups: int, config: GemmConfig | None
+) -> None:
+    """A scaled per token and group of K (the decode attention's output, a scale per kv head): each
+    K tile's dot is scaled by its group's scales, whatever the split and tile sizes; rows of very
+    different magnitude per group, so that a scale applied to the wrong group shows."""
+    x = bf16(m, k) * torch.logspace(-2, 2, groups, device=DEVICE).repeat_interleave(k // groups)
+    a, a_scale = quantize_groups(x.to(torch.bfloat16), groups)
+    b, b_scale = quantize_weight_per_channel(bf16(n, k, scale=0.05))
+    out = skinny_fp8_gemm(a, a_scale, b, b_scale, config)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    ref = fp8_gemm_reference(a, a_scale, b, b_scale)
+    assert rel_err(out, ref) < 1e-2
+    assert rel_err(ref, (x.float() @ dequantize(b, b_scale).t()).to(torch.bfloat16)) < 5e-2
+
+
+def test_group_scales_below_the_smallest_group_and_past_m_64(poisoned: None) -> None:
+    """Groups of 16 (under MIN_A_GROUP) and M > 64 (the stock path) re-quantize A per token first."""
+    for m, k, groups in [(3, 64, 4), (70, 512, 4)]:
+        a, a_scale = quantize_groups(bf16(m, k), groups)
+        b, b_scale = quantize_weight_per_channel(bf16(48, k, scale=0.05))
+        assert rel_err(fp8_gemm(a, a_scale, b, b_scale), fp8_gemm_reference(a, a_scale, b, b_scale)) < 4e-2
+
+
+def test_group_scales_must_split_k() -> None:
+    a, _ = quantize_per_token(bf16(2, 96))
+    b, b_scale = quantize_weight_per_channel(bf16(64, 96))
+    with pytest.raises(ValueError, match="G dividing K"):
+        fp8_gemm(a, torch.ones(2, 5, device=DEVICE), b, b_scale)
+
+
 BF16_GEMM_SHAPES = [(96, 256), (200, 320), (72, 1000), (130, 77)]
 
 
@@ -243,16 +291,18 @@ def check_sm90_ptx() -> None:
     (tests/sm90.py)."""
     ints = ["M", "N", "K", "k_per_split", "stride_am", "stride_bn", "stride_om"]
     aligned = ["a_ptr", "b_ptr", "out_ptr", "partial_ptr", "N", "K", "k_per_split", "stride_am", "stride_bn"]
-    cases = {}  # (dtype, BLOCK_M, config), each once
+    cases = {}  # (dtype, BLOCK_M, config, A_GROUP), each once
     for key, cfg in gemm_module.TUNED[gemm_module.REFERENCE_GPU].items():
         dtype = "bf16" if key.startswith("bf16,") else "fp8"
-        cases[(dtype, int(key.removeprefix("bf16,").split(",")[0]), cfg)] = None
+        cases[(dtype, int(key.removeprefix("bf16,").split(",")[0]), cfg, 0)] = None
     for dtype, element_bytes in (("fp8", 1), ("bf16", 2)):
         for m in (1, 64):
             cfg = gemm_module.heuristic_config(m, 2304, 16384, element_bytes=element_bytes)
-            cases[(dtype, gemm_module.m_bucket(m), cfg)] = None
-    assert any(not cfg.early_tile for *_, cfg in cases) and any(cfg.early_tile for *_, cfg in cases)
-    for dtype, block_m, cfg in cases:
+            cases[(dtype, gemm_module.m_bucket(m), cfg, 0)] = None
+    # A scaled per group of 512 (a Llama-3 kv head's slice of the attention output).
+    cases |= {(dtype, block_m, cfg, 512): None for dtype, block_m, cfg, _ in cases if dtype == "fp8"}
+    assert any(not cfg.early_tile for *_, cfg, _ in cases) and any(cfg.early_tile for *_, cfg, _ in cases)
+    for dtype, block_m, cfg, a_group in cases:
         operand, scaled = ("*fp8e4nv", True) if dtype == "fp8" else ("*bf16", False)
         names = ("a", "b", "a_scale", "b_scale", "out", "partial")
         types = (operand, operand, "*fp32", "*fp32", "*bf16", "*fp32")
@@ -261,6 +311,7 @@ def check_sm90_ptx() -> None:
         constexprs = dict(
             SCALED=scaled,
             A_PER_TOKEN=scaled,
+            A_GROUP=a_group,
             B_PER_CHANNEL=scaled,
             BLOCK_M=block_m,
             BLOCK_N=cfg.block_n,
@@ -280,7 +331,7 @@ def check_sm90_ptx() -> None:
             num_warps=cfg.num_warps,
             num_stages=cfg.num_stages,
         )
-        where = f"{dtype} M <= {block_m}, {cfg}"
+        where = f"{dtype} M <= {block_m}, {cfg}, A groups of {a_group or 'K'}"
         assert "serialized" not in ptxas_log(compiled.asm["ptx"]), f"{where}: wgmma serialized"
         if cfg.swap_ab:
             assert "wgmma.mma_async" in compiled.asm["ptx"], f"{where}: no wgmma"
