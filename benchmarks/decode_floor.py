@@ -175,7 +175,12 @@ def weft_call(
         n, k = op.shape
         weight = kernels.weight(bf16(n, k) * 0.02)  # FP8: quantized per channel, as served
         x = bf16(batch, k)
-        return partial(weight, quantize_reference(x) if fp8 else x)
+        if not fp8:
+            return partial(weight, x)
+        # FP8 activations scaled per token; wo's as the attention writes them, per token and kv head.
+        groups = args.n_kv_heads if op.name == "wo" else 1
+        values, scales = quantize_reference(x.view(batch, groups, -1))
+        return partial(weight, (values.view(batch, k), scales if groups > 1 else scales.view(batch)))
     if op.kind == "norm":
         x = bf16(batch, args.dim)
         norm_weight = torch.rand(args.dim, device=device, dtype=torch.bfloat16) + 0.5

@@ -50,7 +50,8 @@ def test_ablation_rows_need_weft_structure() -> None:
 @pytest.mark.parametrize("fp8", [False, True])
 def test_weft_calls_run_each_op_as_the_decode_step_does(fp8: bool) -> None:
     """weft_call's kernels run (the interpreter on CPU) on the model's shapes and return what the
-    next op of the served step takes: bf16 rows, or for FP8 e4m3 rows with a scale per token."""
+    next op of the served step takes: bf16 rows, or for FP8 e4m3 rows with a scale per token (per
+    token and kv head out of the attention)."""
     args = ModelArgs(n_layers=1)  # dim 256, 8 heads of 32, 4 kv heads, ffn 768, vocab 264
     batch, cache_len = 2, 64
     ops = step_ops(args, batch, cache_len, fp8, WEFT_STRUCTURE, CPU, WEFT_ROWS["all weft's kernels"])
@@ -58,19 +59,19 @@ def test_weft_calls_run_each_op_as_the_decode_step_does(fp8: bool) -> None:
     rope = rope_table(args, CPU)
     out = {op.name: weft_call(op, args, batch, cache_len, fp8, rope)() for op in ops}
 
-    def check_activation(activation: object, width: int) -> None:
+    def check_activation(activation: object, width: int, scales_shape: tuple[int, ...] = (batch,)) -> None:
         values, scales = activation if fp8 else (activation, None)
         assert values.dtype == (FP8 if fp8 else torch.bfloat16)
         assert values.reshape(batch, -1).shape == (batch, width)
         assert torch.isfinite(values.float()).all()
         if fp8:
-            assert scales.shape == (batch,) and (scales > 0).all()
+            assert scales.shape == scales_shape and (scales > 0).all()
 
     check_activation(out["norm"], args.dim)
     normed, residual = out["add+norm"]
     check_activation(normed, args.dim)
     assert residual.shape == (batch, args.dim) and residual.dtype == torch.bfloat16
-    check_activation(out["attention"], args.n_heads * args.head_dim)
+    check_activation(out["attention"], args.n_heads * args.head_dim, (batch, args.n_kv_heads))
     check_activation(out["SwiGLU"], args.ffn_hidden)
     widths = {
         "wqkv": (args.n_heads + 2 * args.n_kv_heads) * args.head_dim,
