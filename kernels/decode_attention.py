@@ -23,9 +23,9 @@ amax / 448: a scale per token and kv head rather than per token, because one per
 head's output, i.e. a second count per sequence and the bf16 row written and read back. Against that
 earlier form, on one H200 (Llama-3-8B, 640 positions): one layer 6.01 -> 4.94 us at batch 1 and 12.49
 -> 11.50 us at batch 8 (bench_decode_attention), the compiled FP8 decode step 2.447 -> 2.423 and 2.773
--> 2.739 ms (bench_decode --fp8-only --compile). The counts live in a persistent
-zeroed per-device workspace (arrival_counters) that each last arriver sets back to 0, so a CUDA
-graph's replays reuse it as is.
+-> 2.739 ms (bench_decode --fp8-only --compile). The counts live in a persistent zeroed per-device
+workspace (arrival_counters) that each last arriver sets back to 0, so a CUDA graph's replays reuse it
+as is.
 
 Why this shape:
 - Reading the cache is the whole cost (Llama-3-8B, 640 positions: 2.6 MB a layer, about 0.9 us on an
@@ -347,8 +347,8 @@ def _decode_attention_kernel(
         tl.store(m_part_ptr + part, m_i, mask=rows < G)
         tl.store(l_part_ptr + part, l_i, mask=rows < G)
         # The last split of this kv head to get here (one count per (sequence, kv head)) weighs them all
-        # together. The barrier orders every
-        # thread's stores before the count; acquire-release makes them visible to that program.
+        # together. The barrier orders every thread's stores before the count; acquire-release makes
+        # them visible to that program.
         tl.debug_barrier()
         split_counter_ptr = counter_ptr + pid
         arrived = tl.atomic_add(split_counter_ptr, 1, sem="acq_rel", scope="gpu")

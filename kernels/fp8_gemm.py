@@ -180,9 +180,22 @@ def _tile_dot(x, y, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _group_scale(a_scale_ptr, offs_m, M, k0, K, groups, A_GROUP: tl.constexpr):
+def _group_scale(a_scale_ptr, offs_m, M, k0, K, A_GROUP: tl.constexpr):
     """The scales [BLOCK_M] of the A group holding K index k0 (0 past M or K: padding rows and tiles)."""
-    return tl.load(a_scale_ptr + offs_m * groups + k0 // A_GROUP, mask=(offs_m < M) & (k0 < K), other=0.0)
+    ptrs = a_scale_ptr + offs_m * (K // A_GROUP) + k0 // A_GROUP
+    return tl.load(ptrs, mask=(offs_m < M) & (k0 < K), other=0.0)
+
+
+@triton.jit
+def _scale_tokens(part, scale, A_GROUP: tl.constexpr, SWAP_AB: tl.constexpr):
+    """A K tile's dot times its A group's scales [BLOCK_M] along the token axis (1 when swapped);
+    as it is without groups."""
+    if A_GROUP:
+        if SWAP_AB:
+            part *= scale[None, :]
+        else:
+            part *= scale[:, None]
+    return part
 
 
 @triton.jit
@@ -244,10 +257,9 @@ def _skinny_gemm_kernel(
         a_first = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
     if SCALED:
         if A_GROUP:  # [M, K / A_GROUP]: each K tile lies in one group, scaled as its dot is added
-            groups = K // A_GROUP
             a_scale = 1.0
             if EARLY_TILE:
-                a_first_scale = _group_scale(a_scale_ptr, offs_m, M, pid_k * k_per_split, K, groups, A_GROUP)
+                a_first_scale = _group_scale(a_scale_ptr, offs_m, M, pid_k * k_per_split, K, A_GROUP)
         elif A_PER_TOKEN:
             a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
         else:
@@ -263,32 +275,26 @@ def _skinny_gemm_kernel(
         in_k = offs_k[None, :] < K
         a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & in_k, other=0.0)
         b = tl.load(b_ptrs, mask=(offs_n[:, None] < N) & in_k, other=0.0)
+        if A_GROUP:
+            group_scale = _group_scale(a_scale_ptr, offs_m, M, pid_k * k_per_split + i * BLOCK_K, K, A_GROUP)
+        else:
+            group_scale = 1.0
         if SWAP_AB:
             # out^T = B @ A^T: the weight tile is the MMA's M side (>= 64 rows: Hopper's wgmma, which
             # reads e4m3 and bf16 straight from shared memory), the few tokens its N side.
-            part_t = _tile_dot(b, tl.trans(a), UPCAST)
-            if SCALED and A_GROUP:
-                k0 = pid_k * k_per_split + i * BLOCK_K
-                part_t *= _group_scale(a_scale_ptr, offs_m, M, k0, K, groups, A_GROUP)[None, :]
-            acc_t += part_t
+            acc_t += _scale_tokens(_tile_dot(b, tl.trans(a), UPCAST), group_scale, A_GROUP, SWAP_AB)
         else:
-            part = _tile_dot(a, tl.trans(b), UPCAST)
-            if SCALED and A_GROUP:
-                k0 = pid_k * k_per_split + i * BLOCK_K
-                part *= _group_scale(a_scale_ptr, offs_m, M, k0, K, groups, A_GROUP)[:, None]
-            acc += part
+            acc += _scale_tokens(_tile_dot(a, tl.trans(b), UPCAST), group_scale, A_GROUP, SWAP_AB)
+    if EARLY_TILE and not A_GROUP:
+        a_first_scale = 1.0
     if SWAP_AB:
         if EARLY_TILE:
-            part_t = _tile_dot(b_first, tl.trans(a_first), UPCAST)
-            if SCALED and A_GROUP:
-                part_t *= a_first_scale[None, :]
-            acc_t += part_t
+            acc_t += _scale_tokens(
+                _tile_dot(b_first, tl.trans(a_first), UPCAST), a_first_scale, A_GROUP, SWAP_AB
+            )
         acc = tl.trans(acc_t)
     elif EARLY_TILE:
-        part = _tile_dot(a_first, tl.trans(b_first), UPCAST)
-        if SCALED and A_GROUP:
-            part *= a_first_scale[:, None]
-        acc += part
+        acc += _scale_tokens(_tile_dot(a_first, tl.trans(b_first), UPCAST), a_first_scale, A_GROUP, SWAP_AB)
     if SCALED:
         acc = acc * a_scale * b_scale
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -445,7 +451,7 @@ def skinny_fp8_gemm(
     _check(a, a_scale, b, b_scale)
     if a.shape[0] > MAX_M:
         raise ValueError(f"skinny_fp8_gemm handles M <= {MAX_M}, got M={a.shape[0]}: use fp8_gemm")
-    if a.shape[1] // a_groups(a_scale) % MIN_A_GROUP:
+    if a_groups(a_scale) > 1 and a.shape[1] // a_groups(a_scale) % MIN_A_GROUP:
         a, a_scale = requantize_per_token(a, a_scale)
     return _skinny_gemm(a, b, a_scale, b_scale, config)
 
@@ -495,11 +501,7 @@ def _(a, a_scale, b, b_scale):
 def fp8_gemm_reference(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor
 ) -> torch.Tensor:
-    b_scale = b_scale.float().reshape(1, -1)
-    if a_groups(a_scale) > 1:
-        return (dequantize(a, a_scale) @ b.float().t() * b_scale).to(torch.bfloat16)
-    a_scale = a_scale.float().reshape(-1, 1)
-    return ((a.float() @ b.float().t()) * a_scale * b_scale).to(torch.bfloat16)
+    return (dequantize(a, a_scale) @ b.float().t() * b_scale.float().reshape(1, -1)).to(torch.bfloat16)
 
 
 @torch.library.custom_op("weft::bf16_gemm", mutates_args=())
