@@ -16,7 +16,8 @@
 #   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh train decode
 #
 # Steps (N = the GPUs visible here; the comm steps need N >= 2):
-#   tests     pytest of everything marked gpu or multigpu (kernels on 1, 2 and 4 GPUs, TP, Ulysses)
+#   tests     pytest of everything marked multigpu (kernels on 2, 4 and 8 GPUs, TP, Ulysses), then of
+#             everything marked gpu (one GPU)
 #   ag        all-gather + matmul against NCCL + cuBLAS, torch's fused op and cuBLAS alone
 #   rs        matmul + reduce-scatter against cuBLAS + NCCL, torch's fused op and the matmul alone
 #   a2a       the Ulysses all-to-all against the stock path and bare all_to_all_single
@@ -49,7 +50,7 @@ cp_degrees() {
 
 step_command() {
   case "$1" in
-    tests) echo "$PY -m pytest -q -p no:cacheprovider -m 'gpu or multigpu' tests" ;;
+    tests) echo "$PY -m pytest -q -p no:cacheprovider -m multigpu tests; m=\$?; $PY -m pytest -q -p no:cacheprovider -m 'gpu and not multigpu' tests && exit \$m" ;;
     ag) echo "${RUN[*]} benchmarks/bench_ag_matmul.py" ;;
     rs) echo "${RUN[*]} benchmarks/bench_matmul_rs.py" ;;
     a2a) echo "${RUN[*]} benchmarks/bench_all_to_all.py" ;;
