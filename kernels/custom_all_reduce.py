@@ -11,7 +11,7 @@ Four kernels (kernels/all_reduce.py): one_shot and two_shot (copy-in, barrier, r
 one_shot_push and two_shot_push (remote stores whose data is its own flag: no barrier; a second
 symmetric buffer of 3 sets of slots, filled with the sentinel at construction; messages up to
 `push_max_size`). `choose_algorithm` walks AUTO_ALGORITHMS[world size][dtype], size ranges measured on
-H200, and takes the first row that covers the size and whose kernel can take it; NCCL
+GPUs of one node, and takes the first row that covers the size and whose kernel can take it; NCCL
 (dist.all_reduce) above `max_size`, for unsupported world sizes / dtypes, and for sizes that are not
 whole 16-byte vectors. The rules are plain Python (tests/test_all_reduce_dispatch.py runs them on CPU).
 
@@ -51,17 +51,18 @@ ALGORITHMS = ("one_shot", "two_shot", *PUSH_ALGORITHMS)
 KiB, MiB = 1 << 10, 1 << 20
 
 # (up to bytes, algorithm) rows per world size and dtype: the first row whose bound covers the size
-# and whose kernel can take it wins. The push kernels are not in the tables yet: they wait for the
-# 4x H200 sweep (`--sweep` of benchmarks/bench_all_reduce.py prints every algorithm's column).
-# The one-shot / two-shot crossovers:
+# and whose kernel can take it wins (a push row past the object's push_max_size falls through).
 # World 2 (`torchrun --nproc_per_node=2 -m benchmarks.bench_all_reduce --sweep` on 2x H200,
-# benchmarks/results/all_reduce_sweep-h200-x2.md): one-shot was faster than two-shot at every size from
-# 4 KiB to 32 MiB (two GPUs: both move the same bytes, two-shot pays a second barrier).
-# World 4 (`torchrun --nproc_per_node=4 -m benchmarks.bench_all_reduce` on 4x H200,
-# benchmarks/results/all_reduce-h200-x4.md): one-shot faster up to 512 KiB (12.1 vs 13.1 us), two-shot
-# from 1 MiB (15.4 vs 18.1 us). World 8 is NOT measured (no 8-GPU machine was lent): one-shot reads
-# (W - 1) x size per rank, two-shot 2 (W - 1) / W x size, so the crossover is placed at a quarter of
-# world 4's: replace with a sweep on 8 GPUs.
+# benchmarks/results/all_reduce_sweep-h200-x2.md, before the push kernels existed): one-shot was
+# faster than two-shot at every size from 4 KiB to 32 MiB (two GPUs: both move the same bytes,
+# two-shot pays a second barrier). The push kernels are not measured on 2 GPUs: replace from a sweep.
+# World 4 (`torchrun --nproc_per_node=4 -m benchmarks.bench_all_reduce` on 4x H100,
+# benchmarks/results/all_reduce-h100-x4.md): the push kernels beat both copy-in kernels at every size,
+# one-shot push up to 128 KiB (3.5-4.6 us against 7.2-8.3 us), two-shot push from 256 KiB (5.4 us;
+# 9.3 us at 1 MiB against 17.0). Past push_max_size the copy-in two-shot is the faster of the rest.
+# World 8 is NOT measured (no 8-GPU machine was lent): one-shot reads (W - 1) x size per rank,
+# two-shot 2 (W - 1) / W x size, so the copy-in crossover is placed at a quarter of world 4's on
+# 4x H200 (512 KiB): replace with a sweep on 8 GPUs.
 AlgorithmTable = dict[int, dict[torch.dtype, tuple[tuple[int, str], ...]]]
 ANY_SIZE = 1 << 62
 
@@ -74,7 +75,7 @@ def _same_for_every_dtype(
 
 AUTO_ALGORITHMS: AlgorithmTable = {
     2: _same_for_every_dtype(((ANY_SIZE, "one_shot"),)),
-    4: _same_for_every_dtype(((512 * KiB, "one_shot"), (ANY_SIZE, "two_shot"))),
+    4: _same_for_every_dtype(((128 * KiB, "one_shot_push"), (ANY_SIZE, "two_shot_push"))),
     8: _same_for_every_dtype(((128 * KiB, "one_shot"), (ANY_SIZE, "two_shot"))),
 }
 
