@@ -6,6 +6,7 @@
 #   benchmarks/run_node.sh                    # every step
 #   benchmarks/run_node.sh tests ag rs        # the named steps, in the order given
 #   STEP_TIMEOUT=300 LOG_DIR=/tmp/logs benchmarks/run_node.sh a2a
+#   TEST_TIMEOUT=120 benchmarks/run_node.sh tests      # per test, where pytest-timeout is installed
 #   DEADLINE=570 OUT=/tmp/out benchmarks/run_node.sh tests ag rs a2a ar   # one call of at most 10 minutes
 #
 # DEADLINE (seconds from the start): no step runs past it (each step's timeout is cut to what is left, a
@@ -41,6 +42,10 @@ mkdir -p "$LOG_DIR"
 stamp=$(mktemp)  # result files newer than this are this run's
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 RUN=("$PY" -m torch.distributed.run --nproc_per_node="$N")
+# Each test named as it runs and each failure's reason in the summary, so a step cut at its timeout
+# still says which test it was in; with pytest-timeout a hung test fails alone and the rest run.
+PYTEST="$PY -m pytest -v -rfE --tb=short -p no:cacheprovider"
+if $PY -c "import pytest_timeout" 2>/dev/null; then PYTEST="$PYTEST --timeout=${TEST_TIMEOUT:-300}"; fi
 
 cp_degrees() {
   local d=1 out=""
@@ -50,7 +55,7 @@ cp_degrees() {
 
 step_command() {
   case "$1" in
-    tests) echo "$PY -m pytest -q -p no:cacheprovider -m multigpu tests; m=\$?; $PY -m pytest -q -p no:cacheprovider -m 'gpu and not multigpu' tests && exit \$m" ;;
+    tests) echo "$PYTEST -m multigpu tests; m=\$?; $PYTEST -m 'gpu and not multigpu' tests && exit \$m" ;;
     ag) echo "${RUN[*]} benchmarks/bench_ag_matmul.py" ;;
     rs) echo "${RUN[*]} benchmarks/bench_matmul_rs.py" ;;
     a2a) echo "${RUN[*]} benchmarks/bench_all_to_all.py" ;;
