@@ -27,6 +27,7 @@
 #             the per-step losses of 53 steps on each (the same weights and tokens on every path)
 #   cp        Ulysses loss curves (debug model) at cp = 1, 2, 4 on the triton path
 #   decode    tensor-parallel decode of llama3_70b at tp = N on every comm path, bf16 and FP8, compiled
+#             (weft's path first: one process runs them all, and a path that crashes it ends the rest)
 #   fp8       the FP8 kernels, their bandwidth floors, and the FP8 vs bf16 decode of llama3_8b on one GPU
 #             (eager and compiled: the README's two decode tables)
 set -uo pipefail
@@ -62,7 +63,7 @@ step_command() {
     ar) echo "${RUN[*]} -m benchmarks.bench_all_reduce" ;;
     train) echo "${RUN[*]} -m benchmarks.bench_train_tp --steps 50" ;;
     cp) echo "$PY -m benchmarks.loss_curves --device cuda --dim cp --degrees$(cp_degrees) parallel.comm=triton" ;;
-    decode) echo "${RUN[*]} -m benchmarks.bench_decode --model llama3_70b --batch-sizes 1 8 --fp8 --compile --comms torch symm_mem triton" ;;
+    decode) echo "${RUN[*]} -m benchmarks.bench_decode --model llama3_70b --batch-sizes 1 8 --fp8 --compile --comms triton torch symm_mem" ;;
     fp8) echo "$PY -m benchmarks.bench_fp8 && $PY -m benchmarks.bench_fp8_floors && $PY -m benchmarks.bench_decode --model llama3_8b --fp8 && $PY -m benchmarks.bench_decode --model llama3_8b --batch-sizes 1 8 --fp8 --compile" ;;
     *) return 1 ;;
   esac
