@@ -5,9 +5,9 @@
     python -m benchmarks.bench_ag_matmul --gemm-alone [--world 4] [--sweep] [--shapes M,K,N ...]
 
 M is the GLOBAL row count (a_shard is [M / W, K]); N the columns of this rank's weight, an nn.Linear
-weight [N, K] passed as weight.t() (the model's forward). Every rank times every implementation with
-CUDA events around `--reps` back-to-back calls (the host queues ahead, as in training), the figure is
-the slowest rank's median per call. Rank 0 writes benchmarks/results/ag_matmul-<device>.md/.json;
+weight [N, K] passed as weight.t() (the model's forward). Every rank times every implementation alike,
+interleaved, on the GPU and on the host (gemm_comm.measure); the figure is the slowest rank's median
+per call. Rank 0 writes benchmarks/results/ag_matmul-<device>.md/.json;
 `--sweep` also times the GEMM configs of SWEEP (ag_matmul_sweep-<device>.*), the source of
 kernels/ag_matmul.py's CONFIGS table. `--gemm-alone` (one GPU, no torchrun) times the kernel's GEMM of
 one rank's call with every peer's rows already in place against torch.matmul on the same gathered A
@@ -111,8 +111,7 @@ def make_alone(m: int, k: int, n: int, world: int, rank: int) -> gemm_comm.Alone
 def notes(world: int, args: argparse.Namespace) -> str:
     return (
         f"bf16 over {world} GPUs, a_shard [M/{world}, K] gathered on dim 0, one weight [N, K] used "
-        "as weight.t(). Microseconds per call: the slowest rank's median of "
-        f"{args.iters} samples of {args.reps} back-to-back calls (CUDA events). ours: "
+        f"as weight.t(). {gemm_comm.timing_note(args)} ours: "
         "kernels/ag_matmul.py (copy-engine gather + persistent Triton GEMM); NCCL+cuBLAS: "
         "all_gather_into_tensor + torch.matmul; torch fused: torch.ops.symm_mem.fused_all_gather_matmul; "
         "cuBLAS: torch.matmul on the already-gathered A. Command: torchrun --nproc_per_node="

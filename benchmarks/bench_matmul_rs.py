@@ -6,8 +6,8 @@ PyTorch's `fused_matmul_reduce_scatter`, and the cuBLAS matmul alone (the bar: w
 
 M is the GLOBAL row count and K this rank's inner size: a is [M, K] on every rank, the output shard
 [M / W, N]; the weight is an nn.Linear weight [N, K] passed as weight.t() (the model's forward). Every
-rank times every implementation with CUDA events around `--reps` back-to-back calls (the host queues
-ahead, as in training); the figure is the slowest rank's median per call. Rank 0 writes
+rank times every implementation alike, interleaved, on the GPU and on the host (gemm_comm.measure); the
+figure is the slowest rank's median per call. Rank 0 writes
 benchmarks/results/matmul_rs-<device>.md/.json; `--sweep` also times the GEMM configs of SWEEP
 (matmul_rs_sweep-<device>.*), the source of kernels/matmul_rs.py's CONFIGS table. `--gemm-alone` (one
 GPU, no torchrun) times the kernel of one rank's call with its pushes landing in local memory and the
@@ -98,8 +98,7 @@ def make_alone(m: int, k: int, n: int, world: int, rank: int) -> gemm_comm.Alone
 def notes(world: int, args: argparse.Namespace) -> str:
     return (
         f"bf16 over {world} GPUs, a [M, K] on every rank (K: this rank's inner size), one weight "
-        f"[N, K] used as weight.t(), output shard [M/{world}, N]. Microseconds per call: the slowest "
-        f"rank's median of {args.iters} samples of {args.reps} back-to-back calls (CUDA events). "
+        f"[N, K] used as weight.t(), output shard [M/{world}, N]. {gemm_comm.timing_note(args)} "
         "ours: kernels/matmul_rs.py (persistent Triton GEMM pushing tiles to the peers, own rows "
         "reduced in its epilogue); cuBLAS+NCCL: torch.matmul + reduce_scatter_tensor; torch fused: "
         "torch.ops.symm_mem.fused_matmul_reduce_scatter; cuBLAS alone: torch.matmul. Command: torchrun "

@@ -10,7 +10,9 @@ import argparse
 import json
 import os
 import statistics
+import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -134,6 +136,60 @@ def time_ranks(fn: Callable[[], object], iters: int, reps: int = 1) -> float:
     torch.cuda.synchronize()
     dist.barrier()
     return slowest(time_events(run, iters=iters, warmup=3) / reps)
+
+
+# GPU cycles (~0.25 ms) a stream sleeps at least before a timed region, so that the host has queued the
+# whole region before its start event fires and the host's launch cost is not in the GPU time.
+LEAD_CYCLES = 500_000
+MAX_LEAD_CYCLES = 100_000_000  # ~50 ms
+
+
+@dataclass
+class RankTimes:
+    """The slowest rank's median milliseconds per call: on the GPU (the calls queued before the start
+    event fires) and on the host (queueing them)."""
+
+    gpu_ms: float
+    host_ms: float
+
+
+def time_ranks_interleaved(
+    fns: dict[str, Callable[[], object]], iters: int, reps: int = 1
+) -> dict[str, RankTimes]:
+    """Each call's times over `iters` rounds. Every round runs each call `reps` times back to back, in an
+    order rotated per round (the same on every rank; no call always follows the same one, none always
+    meets a cold GPU first), after a barrier and a GPU sleep about twice the warm-up's host time. A call
+    whose host time exceeds its GPU time is launch-bound wherever the host does not run ahead."""
+    labels = list(fns)
+    lead = {}  # per call: a sleep longer than its host needs to queue `reps` calls (at ~2 GHz)
+    for label, fn in fns.items():  # warm-up: compilation, cuBLAS heuristics, allocator, clocks
+        for _ in range(2):
+            queued = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            lead[label] = min(max(LEAD_CYCLES, int(4e9 * (time.perf_counter() - queued))), MAX_LEAD_CYCLES)
+    torch.cuda.synchronize()
+    samples: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event, float]]] = {lb: [] for lb in labels}
+    for i in range(iters):
+        for label in labels[i % len(labels) :] + labels[: i % len(labels)]:
+            dist.barrier()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(lead[label])
+            start.record()
+            queued = time.perf_counter()
+            for _ in range(reps):
+                fns[label]()
+            host_s = time.perf_counter() - queued
+            end.record()
+            samples[label].append((start, end, host_s))
+        torch.cuda.synchronize()
+    return {
+        label: RankTimes(
+            gpu_ms=slowest(statistics.median(s.elapsed_time(e) for s, e, _ in rows) / reps),
+            host_ms=slowest(statistics.median(h for _, _, h in rows) * 1e3 / reps),
+        )
+        for label, rows in samples.items()
+    }
 
 
 def write_results(

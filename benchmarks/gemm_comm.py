@@ -1,6 +1,7 @@
 """The frame both GEMM + collective benchmarks share (bench_ag_matmul.py, bench_matmul_rs.py): for each
 M K N, a correctness check of ours against the stock path before any timing, ours and its three peers
-timed alike on every rank (the slowest rank's median), one row with every time and ours' ratio to each
+timed alike on every rank (interleaved rounds, GPU time with the host's launches queued ahead, and the
+host's time to queue ours; the slowest rank's median), one row with every time and ours' ratio to each
 peer, an optional sweep of our GEMM configs, and the result files. Each benchmark supplies what differs:
 the tensors, the calls and the columns' names (a `Case`).
 
@@ -22,14 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import init_gpu_ranks, time_ranks, write_results
+from benchmarks.common import LEAD_CYCLES, init_gpu_ranks, time_ranks_interleaved, write_results
 
 # Bytes written between timed calls to evict both operands from L2 (50 MiB on H100, 60 MiB on H200):
 # in training neither the activations nor the weights of a layer's GEMM are L2-resident.
 L2_FLUSH_BYTES = 256 << 20
-# GPU cycles (~0.25 ms) the stream sleeps before a timed call, so that the host has queued the call before
-# the start event fires and the host's launch cost (Triton's descriptor set-up) is not timed.
-LEAD_CYCLES = 500_000
 # Relative error against cuBLAS above which a config's output is wrong (bf16 rounding is ~2e-3).
 MAX_REL_ERR = 1e-2
 
@@ -88,6 +86,16 @@ def time_interleaved(fns: dict[str, Callable[[], object]], iters: int) -> dict[s
     return {
         label: statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs) for label, pairs in events.items()
     }
+
+
+def timing_note(args: argparse.Namespace) -> str:
+    """How `measure` times, for the result files' notes."""
+    return (
+        f"Microseconds per call: the slowest rank's median of {args.iters} rounds; each round runs every "
+        f"implementation {args.reps} times back to back, in an order rotated per round, after a barrier "
+        "and a GPU sleep that lets the host queue the calls first (GPU time, CUDA events); "
+        "'ours host us': the host's time to queue one call of ours."
+    )
 
 
 def describe(config: Any) -> str:
@@ -192,18 +200,21 @@ def main_alone(
 def measure(m: int, k: int, n: int, case: Case, args: argparse.Namespace, sweep: Sequence[Any]):
     """(result row, sweep rows) of one shape."""
     rank = dist.get_rank()
-    ms = {}
+    fns = {}
     for label, fn in (("ours", case.ours), *case.peers.items()):
         try:
-            ms[label] = time_ranks(fn, args.iters, args.reps)
+            fn()
+            fns[label] = fn
         except Exception as e:  # one failing peer must not hide the others' figures
             print(f"rank {rank}: {label} at {m} {k} {n} failed: {e}", flush=True)
-            ms[label] = float("nan")
+    times = time_ranks_interleaved(fns, args.iters, args.reps)
+    ms = {label: times[label].gpu_ms if label in times else math.nan for label in ("ours", *case.peers)}
     case.check()
     baseline = list(case.peers)[-1]
     flops = 2 * m * k * n
     row: dict[str, object] = {"M K N": f"{m} {k} {n}"}
     row.update({f"{label} us": t * 1e3 for label, t in ms.items()})
+    row["ours host us"] = times["ours"].host_ms * 1e3 if "ours" in times else math.nan
     row.update({f"ours / {label}": ms["ours"] / ms[label] for label in reversed(case.peers)})
     row["ours TFLOP/s"] = flops / ms["ours"] / 1e9
     row[f"{baseline} TFLOP/s"] = flops / ms[baseline] / 1e9
@@ -215,7 +226,8 @@ def measure(m: int, k: int, n: int, case: Case, args: argparse.Namespace, sweep:
 
     sweep_rows = []
     for cfg in sweep:
-        t = time_ranks(lambda cfg=cfg: case.ours(cfg), args.iters, args.reps)
+        run = {"ours": lambda cfg=cfg: case.ours(cfg)}
+        t = time_ranks_interleaved(run, args.iters, args.reps)["ours"].gpu_ms
         fields = " ".join(f.name for f in dataclasses.fields(cfg))
         sweep_rows.append(
             {
