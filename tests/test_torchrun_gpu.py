@@ -85,13 +85,13 @@ PROMPT = "The Python language reference says"
 NEW_TOKENS = 24
 
 
-def _generate(checkpoint: Path, run_dir: Path, tp: int, fp8: bool) -> str:
+def _generate(checkpoint: Path, run_dir: Path, tp: int) -> str:
+    """serve.py's bf16 greedy completion at `tp` (compiled, CUDA graphs, weft's comm kernels)."""
     overrides = [
         "mode=generate",
         f"checkpoint={checkpoint}",
         f"prompt={PROMPT}",
         f"max_new_tokens={NEW_TOKENS}",
-        f"model.fp8={str(fp8).lower()}",
         "compile=true",
         "cuda_graphs=true",
         f"parallel.tp={tp}",
@@ -107,7 +107,7 @@ def _generate(checkpoint: Path, run_dir: Path, tp: int, fp8: bool) -> str:
 @pytest.fixture(scope="module")
 def tp1_completion(hf_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
     """serve.py's bf16 completion at tp = 1."""
-    return _generate(hf_checkpoint, tmp_path_factory.mktemp("tp1"), 1, fp8=False)
+    return _generate(hf_checkpoint, tmp_path_factory.mktemp("tp1"), 1)
 
 
 def _fp8_logits(checkpoint: Path, out: Path, tp: int, tokens: Path | None = None) -> dict[str, torch.Tensor]:
@@ -140,7 +140,7 @@ TP_DEGREES = [
 def test_tensor_parallel_decode(hf_checkpoint: Path, tp1_completion: str, tmp_path: Path, tp: int) -> None:
     """The greedy tokens of tp = 1 in bf16 (the shards' partial sums add in another order, which moves
     logits far less than the gaps between a trained model's top two)."""
-    assert _generate(hf_checkpoint, tmp_path, tp, fp8=False) == tp1_completion
+    assert _generate(hf_checkpoint, tmp_path, tp) == tp1_completion
 
 
 # FP8 at tp > 1 against tp = 1, fed tp = 1's tokens: the largest change of a step's logits, its median
