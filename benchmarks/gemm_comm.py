@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import statistics
+import tempfile
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -243,6 +246,36 @@ def measure(m: int, k: int, n: int, case: Case, args: argparse.Namespace, sweep:
     return row, sweep_rows
 
 
+# GPU activities a profile of one call lists: kernels, memcpys (the copy engines') and memsets.
+GPU_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def timeline(fn: Callable[[], object]) -> list[dict[str, object]]:
+    """The GPU activities of one call of `fn` (every rank calls it; each profiles its own): name, stream,
+    start and duration in microseconds, starts counted from the call's first activity. Where the copies
+    and waits of ours sit against its GEMM is what the overlap's cost comes down to."""
+    fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(f"{tmp}/trace.json")
+        events = json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"]
+    acts = sorted((e for e in events if e.get("cat") in GPU_ACTIVITIES), key=lambda e: e["ts"])
+    t0 = acts[0]["ts"] if acts else 0
+    return [
+        {
+            "activity": e["name"][:70],
+            "stream": e["tid"],
+            "start us": round(e["ts"] - t0, 1),
+            "us": round(e["dur"], 1),
+        }
+        for e in acts
+    ]
+
+
 def main(
     name: str,
     description: str,
@@ -260,6 +293,9 @@ def main(
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--sweep", action="store_true", help="also time every GEMM config of the sweep")
     p.add_argument(
+        "--timeline", action="store_true", help="also profile one call of ours per shape (<name>_timeline-*)"
+    )
+    p.add_argument(
         "--gemm-alone",
         action="store_true",
         help="one GPU, no torchrun: our GEMM with the communication taken out against cuBLAS",
@@ -273,7 +309,7 @@ def main(
 
     group = init_gpu_ranks()
     world = dist.get_world_size()
-    rows, sweep_rows = [], []
+    rows, sweep_rows, timeline_rows = [], [], []
     for spec in args.shapes:
         m, k, n = (int(v) for v in spec.split(","))
         if m % world:
@@ -283,6 +319,8 @@ def main(
         row, swept = measure(m, k, n, case, args, sweep if args.sweep else ())
         rows.append(row)
         sweep_rows += swept
+        if args.timeline:
+            timeline_rows += [{"M K N": f"{m} {k} {n}", **r} for r in timeline(case.ours)]
         del case
         torch.cuda.empty_cache()
 
@@ -291,5 +329,8 @@ def main(
         write_results(name, rows, text)
         if sweep_rows:
             write_results(f"{name}_sweep", sweep_rows, "GEMM config sweep of ours; " + text)
+        if timeline_rows:
+            about = "GPU activities of one call of ours, rank 0; "
+            write_results(f"{name}_timeline", timeline_rows, about + text)
     dist.barrier()
     dist.destroy_process_group()

@@ -19,7 +19,8 @@
 # Steps (N = the GPUs visible here; the comm steps need N >= 2):
 #   tests     pytest of everything marked multigpu (kernels on 2, 4 and 8 GPUs, TP, Ulysses), then of
 #             everything marked gpu (one GPU)
-#   ag        all-gather + matmul against NCCL + cuBLAS, torch's fused op and cuBLAS alone
+#   ag        all-gather + matmul against NCCL + cuBLAS, torch's fused op and cuBLAS alone, and the GPU
+#             activities of one call of ours per shape (ag_matmul_timeline-*)
 #   rs        matmul + reduce-scatter against cuBLAS + NCCL, torch's fused op and the matmul alone
 #   a2a       the Ulysses all-to-all against the stock path and bare all_to_all_single
 #   ar        the decode all-reduce size sweep against NCCL and torch's one-/two-shot
@@ -57,8 +58,8 @@ cp_degrees() {
 step_command() {
   case "$1" in
     tests) echo "$PYTEST -m multigpu tests; m=\$?; $PYTEST -m 'gpu and not multigpu' tests && exit \$m" ;;
-    ag) echo "${RUN[*]} benchmarks/bench_ag_matmul.py" ;;
-    rs) echo "${RUN[*]} benchmarks/bench_matmul_rs.py" ;;
+    ag) echo "${RUN[*]} benchmarks/bench_ag_matmul.py --timeline" ;;
+    rs) echo "${RUN[*]} benchmarks/bench_matmul_rs.py --timeline" ;;
     a2a) echo "${RUN[*]} benchmarks/bench_all_to_all.py" ;;
     ar) echo "${RUN[*]} -m benchmarks.bench_all_reduce" ;;
     train) echo "${RUN[*]} -m benchmarks.bench_train_tp --steps 50" ;;
