@@ -79,3 +79,42 @@ def test_train_tp_compares_each_path_with_the_first() -> None:
     assert rows[2] == {"step": 3, "torch": 1.25, "symm_mem": None, "triton": 1.0}
     assert diffs == {"torch": 0.0, "symm_mem": 0.0, "triton": 0.25}
     assert compare_losses({}) == ([], {})
+
+
+def test_interleaved_timing_rotates_the_order_and_times_each_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """time_ranks_interleaved (the GEMM + collective benchmarks' timing) on a fake GPU clock: each
+    call's GPU time per call, every round's calls in an order rotated from the last's."""
+    from benchmarks import common
+
+    clock, order = [0.0], []
+
+    class FakeEvent:
+        def __init__(self, enable_timing: bool = False) -> None:
+            self.ms = 0.0
+
+        def record(self) -> None:
+            self.ms = clock[0]
+
+        def elapsed_time(self, end: "FakeEvent") -> float:
+            return end.ms - self.ms
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(common.dist, "barrier", lambda: None)
+    monkeypatch.setattr(common, "slowest", lambda value: value)
+
+    def call(label: str, ms: float):
+        def run() -> None:
+            order.append(label)
+            clock[0] += ms
+
+        return run
+
+    reps, iters = 3, 4
+    times = common.time_ranks_interleaved({"a": call("a", 2.0), "b": call("b", 0.5)}, iters, reps)
+    assert times["a"].gpu_ms == pytest.approx(2.0) and times["b"].gpu_ms == pytest.approx(0.5)
+    assert times["a"].host_ms >= 0 and times["b"].host_ms >= 0
+    timed = order[2 * 2 * reps :]  # after the warm-up: two rounds of `reps` calls of each
+    firsts = [timed[i * 2 * reps] for i in range(iters)]
+    assert firsts == ["a", "b", "a", "b"] and len(timed) == iters * 2 * reps
