@@ -23,7 +23,8 @@
 #             activities of one call of ours per shape (ag_matmul_timeline-*)
 #   rs        matmul + reduce-scatter against cuBLAS + NCCL, torch's fused op and the matmul alone
 #   a2a       the Ulysses all-to-all against the stock path and bare all_to_all_single
-#   ar        the decode all-reduce size sweep against NCCL and torch's one-/two-shot
+#   ar        the decode all-reduce size sweep against NCCL and torch's one-/two-shot, and the push
+#             kernels' launch sweep (the source of their LAUNCH rows, not yet measured)
 #   train     tensor + sequence parallel training throughput of Llama-3-8B shapes, every comm path, and
 #             the per-step losses of 53 steps on each (the same weights and tokens on every path)
 #   cp        Ulysses loss curves (debug model) at cp = 1, 2, 4 on the triton path
@@ -61,7 +62,7 @@ step_command() {
     ag) echo "${RUN[*]} benchmarks/bench_ag_matmul.py --timeline" ;;
     rs) echo "${RUN[*]} benchmarks/bench_matmul_rs.py --timeline" ;;
     a2a) echo "${RUN[*]} benchmarks/bench_all_to_all.py" ;;
-    ar) echo "${RUN[*]} -m benchmarks.bench_all_reduce" ;;
+    ar) echo "${RUN[*]} -m benchmarks.bench_all_reduce --sweep --sweep-algos one_shot_push,two_shot_push" ;;
     train) echo "${RUN[*]} -m benchmarks.bench_train_tp --steps 50" ;;
     cp) echo "$PY -m benchmarks.loss_curves --device cuda --dim cp --degrees$(cp_degrees) parallel.comm=triton" ;;
     decode) echo "${RUN[*]} -m benchmarks.bench_decode --model llama3_70b --batch-sizes 1 8 --fp8 --compile --comms triton torch symm_mem" ;;
