@@ -21,7 +21,8 @@
 #             everything marked gpu (one GPU)
 #   ag        all-gather + matmul against NCCL + cuBLAS, torch's fused op and cuBLAS alone, and the GPU
 #             activities of one call of ours per shape (ag_matmul_timeline-*)
-#   rs        matmul + reduce-scatter against cuBLAS + NCCL, torch's fused op and the matmul alone
+#   rs        matmul + reduce-scatter against cuBLAS + NCCL, torch's fused op and the matmul alone, and
+#             the GPU activities of one call of ours per shape (matmul_rs_timeline-*)
 #   a2a       the Ulysses all-to-all against the stock path and bare all_to_all_single
 #   ar        the decode all-reduce size sweep against NCCL and torch's one-/two-shot, and the push
 #             kernels' launch sweep (the source of their LAUNCH rows, not yet measured)
