@@ -105,7 +105,7 @@ def exchange_rows(seq: int, heads: int, world: int, rank: int, iters: int) -> li
 
 def chunk_sweep(seq: int, heads: int, world: int, rank: int, iters: int) -> list[dict]:
     """q, k, v seq_to_heads through the launcher alone (outputs allocated once) at several pipeline
-    depths (chunks per program): the source of TARGET_CHUNKS in kernels/all_to_all.py."""
+    depths (chunks per program, 1: no pipelining): the source of TARGET_CHUNKS in kernels/all_to_all.py."""
     torch.manual_seed(rank)
     xs = [
         torch.randn(1, seq // world, h, DIM, device="cuda", dtype=DTYPE).transpose(1, 2)
@@ -116,7 +116,7 @@ def chunk_sweep(seq: int, heads: int, world: int, rank: int, iters: int) -> list
     buf = prepare(dist.group.WORLD, image_bytes)
     nbytes = sum(replicate_heads(x, world).numel() for x in xs) * DTYPE.itemsize * (world - 1) // world
     rows = []
-    for chunks in (2, 4, 8, 16, 32, 64):
+    for chunks in (1, 2, 4, 8, 16, 32, 64):
         run = partial(launch_all_to_all, buf, xs, outs, True, int(DEFAULT_TIMEOUT_S * 1e9), chunks=chunks)
         ms = time_ranks(run, iters)
         rows.append({"S": seq, "H": heads, "chunks per program": chunks, "ms": ms, "GB/s": nbytes / ms / 1e6})
@@ -184,7 +184,10 @@ def main() -> None:
         for heads in args.heads:
             rows += exchange_rows(seq, heads, world, rank, args.iters)
             torch.cuda.empty_cache()
-    sweep = chunk_sweep(min(args.seqs), max(args.heads), world, rank, args.iters)
+    # Every head count: at few heads the rows are narrow and MIN_CHUNK_BYTES, not the depth, sets the chunks.
+    sweep = []
+    for heads in args.heads:
+        sweep += chunk_sweep(min(args.seqs), heads, world, rank, args.iters)
     attention = attention_rows(args.attention_seq, max(args.heads), world, rank, max(5, args.iters // 3))
 
     if rank == 0:
