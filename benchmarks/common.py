@@ -144,6 +144,13 @@ LEAD_CYCLES = 500_000
 MAX_LEAD_CYCLES = 100_000_000  # ~50 ms
 
 
+def lead_cycles(host_s: float) -> int:
+    """GPU cycles to sleep before a timed region whose calls take the host `host_s` seconds to queue:
+    twice that at ~2 GHz, the same on every rank (the slowest host's), or a rank that wakes early would
+    count its wait for the others at the calls' first barrier as their time."""
+    return int(slowest(float(min(max(LEAD_CYCLES, int(4e9 * host_s)), MAX_LEAD_CYCLES))))
+
+
 @dataclass
 class RankTimes:
     """The slowest rank's median milliseconds per call: on the GPU (the calls queued before the start
@@ -158,16 +165,16 @@ def time_ranks_interleaved(
 ) -> dict[str, RankTimes]:
     """Each call's times over `iters` rounds. Every round runs each call `reps` times back to back, in an
     order rotated per round (the same on every rank; no call always follows the same one, none always
-    meets a cold GPU first), after a barrier and a GPU sleep about twice the warm-up's host time. A call
-    whose host time exceeds its GPU time is launch-bound wherever the host does not run ahead."""
+    meets a cold GPU first), after a barrier and a GPU sleep (`lead_cycles` of the warm-up's host time).
+    A call whose host time exceeds its GPU time is launch-bound wherever the host does not run ahead."""
     labels = list(fns)
-    lead = {}  # per call: a sleep longer than its host needs to queue `reps` calls (at ~2 GHz)
+    lead = {}  # per call: a sleep longer than its host needs to queue `reps` calls
     for label, fn in fns.items():  # warm-up: compilation, cuBLAS heuristics, allocator, clocks
         for _ in range(2):
             queued = time.perf_counter()
             for _ in range(reps):
                 fn()
-            lead[label] = min(max(LEAD_CYCLES, int(4e9 * (time.perf_counter() - queued))), MAX_LEAD_CYCLES)
+            lead[label] = lead_cycles(time.perf_counter() - queued)
     torch.cuda.synchronize()
     samples: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event, float]]] = {lb: [] for lb in labels}
     for i in range(iters):

@@ -19,6 +19,7 @@ import json
 import math
 import statistics
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import LEAD_CYCLES, init_gpu_ranks, time_ranks_interleaved, write_results
+from benchmarks.common import (
+    LEAD_CYCLES,
+    init_gpu_ranks,
+    lead_cycles,
+    time_ranks_interleaved,
+    write_results,
+)
 
 # Bytes written between timed calls to evict both operands from L2 (50 MiB on H100, 60 MiB on H200):
 # in training neither the activations nor the weights of a layer's GEMM are L2-resident.
@@ -248,23 +255,33 @@ def measure(m: int, k: int, n: int, case: Case, args: argparse.Namespace, sweep:
 
 # GPU activities a profile of one call lists: kernels, memcpys (the copy engines') and memsets.
 GPU_ACTIVITIES = ("kernel", "gpu_memcpy", "gpu_memset")
+SLEEP_KERNEL = "spin_kernel"  # torch.cuda._sleep's
 
 
-def timeline(fn: Callable[[], object]) -> list[dict[str, object]]:
-    """The GPU activities of one call of `fn` (every rank calls it; each profiles its own): name, stream,
-    start and duration in microseconds, starts counted from the call's first activity. Where the copies
-    and waits of ours sit against its GEMM is what the overlap's cost comes down to."""
+def timeline(fn: Callable[[], object], reps: int) -> list[dict[str, object]]:
+    """The GPU activities of `reps` back-to-back calls of `fn`, queued during a GPU sleep as the timed
+    rounds queue them (every rank calls it; each profiles its own): name, stream, start and duration in
+    microseconds, starts counted from the end of the sleep. Where the copies and waits of ours sit
+    against its GEMM is what the overlap's cost comes down to."""
     fn()
+    torch.cuda.synchronize()
+    queued = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    lead = lead_cycles(time.perf_counter() - queued)
     torch.cuda.synchronize()
     dist.barrier()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
+        torch.cuda._sleep(lead)
+        for _ in range(reps):
+            fn()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         prof.export_chrome_trace(f"{tmp}/trace.json")
         events = json.loads(Path(f"{tmp}/trace.json").read_text())["traceEvents"]
     acts = sorted((e for e in events if e.get("cat") in GPU_ACTIVITIES), key=lambda e: e["ts"])
-    t0 = acts[0]["ts"] if acts else 0
+    sleeps = [e for e in acts if SLEEP_KERNEL in e["name"]]
+    t0 = sleeps[0]["ts"] + sleeps[0]["dur"] if sleeps else acts[0]["ts"] if acts else 0
     return [
         {
             "activity": e["name"][:70],
@@ -273,6 +290,7 @@ def timeline(fn: Callable[[], object]) -> list[dict[str, object]]:
             "us": round(e["dur"], 1),
         }
         for e in acts
+        if SLEEP_KERNEL not in e["name"]
     ]
 
 
@@ -293,7 +311,9 @@ def main(
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--sweep", action="store_true", help="also time every GEMM config of the sweep")
     p.add_argument(
-        "--timeline", action="store_true", help="also profile one call of ours per shape (<name>_timeline-*)"
+        "--timeline",
+        action="store_true",
+        help="also profile --reps calls of ours per shape (<name>_timeline-*)",
     )
     p.add_argument(
         "--gemm-alone",
@@ -320,7 +340,7 @@ def main(
         rows.append(row)
         sweep_rows += swept
         if args.timeline:
-            timeline_rows += [{"M K N": f"{m} {k} {n}", **r} for r in timeline(case.ours)]
+            timeline_rows += [{"M K N": f"{m} {k} {n}", **r} for r in timeline(case.ours, args.reps)]
         del case
         torch.cuda.empty_cache()
 
@@ -330,7 +350,7 @@ def main(
         if sweep_rows:
             write_results(f"{name}_sweep", sweep_rows, "GEMM config sweep of ours; " + text)
         if timeline_rows:
-            about = "GPU activities of one call of ours, rank 0; "
+            about = f"Rank 0's GPU activities in {args.reps} back-to-back calls of ours, queued in a sleep: "
             write_results(f"{name}_timeline", timeline_rows, about + text)
     dist.barrier()
     dist.destroy_process_group()

@@ -83,11 +83,11 @@ FLAG_BYTES = tl.constexpr(MAX_BLOCKS.value * MAX_WORLD.value * MAX_CHUNKS.value 
 IMAGE_ALIGN = 256
 # The pipeline: a program's rows are cut into about TARGET_CHUNKS chunks (the last chunk's copy-out is
 # the part not hidden behind pushes), each of at least MIN_CHUNK_BYTES (every chunk costs a release of
-# its flags, which waits for its remote stores). On 4x H100 (all_to_all-h100-x4.md, q/k/v at S = 32768,
-# H = 32) 8 chunks took 0.334 ms against 0.414 at 16: set this from the next node's sweep, which also
-# covers H = 8, once the GPU tests have run at the new depth.
-TARGET_CHUNKS = 16
-MIN_CHUNK_BYTES = 16 << 10
+# its flags, which waits for its remote stores). On 4x H100 (all_to_all-h100-x4.md, launcher sweep of
+# q/k/v at S = 32768) 8 chunks were fastest at H = 32 in two runs (0.333 ms against 0.406 at 16), and
+# at H = 8, where 16 KiB chunks made 8 of them, one chunk of 126 KiB took 0.159 ms against 0.199.
+TARGET_CHUNKS = 8
+MIN_CHUNK_BYTES = 64 << 10
 BUFFER_TAG = "all_to_all"
 SEQ_TO_HEADS_OP = op_id("all_to_all seq_to_heads")
 HEADS_TO_SEQ_OP = op_id("all_to_all heads_to_seq")

@@ -23,6 +23,7 @@ from kernels.all_to_all import (
     FLAG_BYTES,
     MAX_CHUNKS,
     MIN_CHUNK_BYTES,
+    TARGET_CHUNKS,
     all_to_all_kernel,
     buffer_bytes,
     check,
@@ -227,11 +228,13 @@ def test_schedule_covers_rows_within_the_flags(n_rows: int, row_bytes: int, chun
 
 @pytest.mark.parametrize("heads", [48, 12])  # H=32 or 8 query heads, H/4 kv heads; 128 bf16 each
 def test_issue_shapes_pipeline_on_every_program(heads: int) -> None:
+    """Every program gets rows, TARGET_CHUNKS deep unless that would cut chunks under MIN_CHUNK_BYTES."""
     for seq in (32768, 131072):
         n_rows, row_bytes = seq // 4, heads * 128 * 2  # per rank at W=4
         block_rows, programs = schedule(n_rows, row_bytes, 132)
         chunks = -(-n_rows // (block_rows * programs))
-        assert programs == 128 and 8 <= chunks <= 16, (seq, heads, block_rows, chunks)
+        capped = block_rows * row_bytes < MIN_CHUNK_BYTES + row_bytes
+        assert programs == 128 and (chunks == TARGET_CHUNKS or capped), (seq, heads, block_rows, chunks)
 
 
 def test_layout_helpers() -> None:
@@ -385,15 +388,17 @@ def _correctness(rank: int, world: int) -> None:
         assert fallback_reason(xs, world) is None
         want = seq_to_heads_reference(xs)
         got = seq_to_heads(xs)
-        # The launcher itself, into poisoned outputs.
-        outs = [new_output(o.shape, True, o).fill_(float("nan")) for o in want]
-        _, image_bytes = image_layout([o.shape for o in outs], xs[0].element_size())
-        launch_all_to_all(prepare(group, image_bytes), xs, outs, True, 10**10)
-        torch.cuda.synchronize()
-        check(group)
-        for t, (w, g, o) in enumerate(zip(want, got, outs, strict=True)):
+        for t, (w, g) in enumerate(zip(want, got, strict=True)):
             assert torch.equal(g, w), f"seq_to_heads case {case} tensor {t}: op != reference"
-            assert torch.equal(o, w), f"seq_to_heads case {case} tensor {t}: launcher != reference"
+        # The launcher itself, into poisoned outputs: on every SM, and on 8 programs (deep pipelines).
+        _, image_bytes = image_layout([o.shape for o in want], xs[0].element_size())
+        for max_programs in (None, 8):
+            outs = [new_output(o.shape, True, o).fill_(float("nan")) for o in want]
+            launch_all_to_all(prepare(group, image_bytes), xs, outs, True, 10**10, max_programs=max_programs)
+            torch.cuda.synchronize()
+            check(group)
+            for t, (w, o) in enumerate(zip(want, outs, strict=True)):
+                assert torch.equal(o, w), f"case {case} tensor {t} on {max_programs} programs: launcher"
         # The way back, from strided [B, H/W, S, D] views (what attention outputs and gradients may be).
         ys = [torch.randn_like(o).transpose(1, 2).contiguous().transpose(1, 2) if t else torch.randn_like(o)
               for t, o in enumerate(want)]  # fmt: skip
