@@ -127,6 +127,9 @@ def main() -> None:
                 # The estimate passed it but leaves out the allocator's slack and workspaces.
                 skip(f"{label}: out of memory on one {torch.cuda.get_device_name(device)}")
             model = None
+            # Every model compiles its own graphs: without a reset the compile cache of `forward` fills
+            # up over the variants and comm paths of one run (Dynamo's recompile limit, 8 by default).
+            torch._dynamo.reset()
             torch.cuda.empty_cache()
     if rows and skipped and distributed.rank() == 0:
         write_results(name, rows, notes=with_skipped(notes, skipped))

@@ -236,6 +236,11 @@ def measure(m: int, k: int, n: int, case: Case, args: argparse.Namespace, sweep:
 
     sweep_rows = []
     for cfg in sweep:
+        try:  # a config the GPU cannot hold (shared memory, registers) fails alike on every rank
+            case.ours(cfg)
+        except Exception as e:
+            print(f"rank {rank}: sweep config {cfg} at {m} {k} {n} failed: {e}", flush=True)
+            continue
         run = {"ours": lambda cfg=cfg: case.ours(cfg)}
         t = time_ranks_interleaved(run, args.iters, args.reps)["ours"].gpu_ms
         fields = " ".join(f.name for f in dataclasses.fields(cfg))
