@@ -4,6 +4,8 @@
     python -m benchmarks.bench_fp8 --only untuned   # the GEMM on its rule for untuned shapes
     python -m benchmarks.bench_fp8 --tune       # first tune GEMM tiles for this GPU (fp8_gemm_configs.json)
     python -m benchmarks.bench_fp8 --tune --tune-shapes 8192x8192 --only none   # ... and your model's shapes
+    python -m benchmarks.bench_fp8 --tune --no-tune-table-shapes --tune-shapes 8192x8192 --tune-buckets 16 \
+        --only none                             # only your shapes, decode batches up to 16
     python -m benchmarks.bench_fp8 --sweep-rows # also time the row kernels' launch variants
 
 Norm: residual add + RMSNorm + per-token FP8 quantize of [rows, 16384] (ours, eager torch,
@@ -20,7 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import torch
@@ -237,6 +239,7 @@ def tune_space(bucket: int, element_bytes: int = 1) -> list[gemm.GemmConfig]:
 
 
 SPLITS = [1, 2, 3, 4, 5, 6, 8, 11, 12, 16]
+TUNE_BUCKETS = (16, 32, 64)  # M buckets of kernels.fp8_gemm.m_bucket: decode batches up to 64
 
 
 def shape_arg(text: str) -> tuple[int, int]:
@@ -248,18 +251,22 @@ def shape_arg(text: str) -> tuple[int, int]:
 
 
 def tune_gemm(
-    extra_nk: list[tuple[int, int]], dtype: torch.dtype = fp8.FP8, shapes: list[tuple[int, int]] | None = None
+    extra_nk: list[tuple[int, int]],
+    dtype: torch.dtype = fp8.FP8,
+    shapes: list[tuple[int, int]] | None = None,
+    buckets: Sequence[int] = TUNE_BUCKETS,
 ) -> list[dict[str, object]]:
     """Try tile configs per (M bucket, N, K) (with PDL, as served) on operands of `dtype` (FP8 or bf16)
     for `shapes` (default: the table's and TUNE_ONLY_NK) and `extra_nk`, and keep the fastest in
-    kernels/fp8_gemm_configs.json, under this GPU's model name (bf16 keys apart: config_key)."""
+    kernels/fp8_gemm_configs.json, under this GPU's model name (bf16 keys apart: config_key), saved
+    after each M bucket."""
     device = torch.device("cuda", torch.cuda.current_device())
     gpu = gemm.gpu_model(device)
     best: dict[str, gemm.GemmConfig] = dict(gemm.TUNED.get(gpu, {}))
     element_bytes = 1 if dtype == fp8.FP8 else 2
     shapes = dict.fromkeys((GEMM_NK + TUNE_ONLY_NK if shapes is None else shapes) + extra_nk)  # each once
     log = []
-    for m in [16, 32, 64]:
+    for m in buckets:
         calls = {(n, k): skinny_calls(m, n, k, dtype) for n, k in shapes}
         results: dict[tuple[int, int], list[tuple[float, gemm.GemmConfig]]] = {nk: [] for nk in calls}
         # The config in use before this run (tuned earlier, the reference GPU's, or the heuristic).
@@ -303,7 +310,7 @@ def tune_gemm(
                 f"before {before[(n, k)][1]:.2f} us with {before[(n, k)][0]}",
                 flush=True,
             )
-    gemm.save_tuned(gpu, best)
+        gemm.save_tuned(gpu, best)
     return log
 
 
@@ -355,6 +362,20 @@ def main() -> None:
         help="with --tune, also tune these weight shapes (e.g. your model's: 8192x8192 57344x8192)",
     )
     parser.add_argument(
+        "--tune-table-shapes",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --tune, tune the tables' shapes (--no-tune-table-shapes: only --tune-shapes)",
+    )
+    parser.add_argument(
+        "--tune-buckets",
+        nargs="+",
+        type=int,
+        choices=TUNE_BUCKETS,
+        default=list(TUNE_BUCKETS),
+        help="with --tune, the M buckets to tune (16: decode batches up to 16)",
+    )
+    parser.add_argument(
         "--only", choices=["norm", "swiglu", "gemm", "untuned", "none"], help="run one table (or none)"
     )
     parser.add_argument(
@@ -363,6 +384,8 @@ def main() -> None:
     opts = parser.parse_args()
     if opts.tune_shapes and not opts.tune:
         parser.error("--tune-shapes needs --tune")
+    if opts.tune and not (opts.tune_table_shapes or opts.tune_shapes):
+        parser.error("--no-tune-table-shapes leaves nothing to tune: name your shapes with --tune-shapes NxK")
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8.py needs a CUDA GPU")
     note = (
@@ -370,8 +393,10 @@ def main() -> None:
         "launch (kernels.fp8.USE_PDL, as served), ours_no_pdl_us launched plainly"
     )
     if opts.tune:
-        log = tune_gemm(opts.tune_shapes)
-        write_results("fp8_gemm_tune", log, notes="best 5 tile configs per shape, M bucket; " + note)
+        table = None if opts.tune_table_shapes else []
+        log = tune_gemm(opts.tune_shapes, shapes=table, buckets=opts.tune_buckets)
+        name = "fp8_gemm_tune" if opts.tune_table_shapes else "fp8_gemm_tune_shapes"
+        write_results(name, log, notes="best 5 tile configs per shape, M bucket; " + note)
     if opts.only in (None, "gemm"):
         gpu = gemm.gpu_model(torch.device("cuda", torch.cuda.current_device()))
         tuned_on = gpu if gpu in gemm.TUNED else gemm.REFERENCE_GPU
