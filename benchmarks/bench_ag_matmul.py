@@ -51,6 +51,10 @@ SWEEP = [
     ag.GemmConfig(128, 128, 64, 8, 4, 4, 4, flatten=True),
     ag.GemmConfig(128, 128, 64, 8, 8, 4, 4, flatten=True),
     ag.GemmConfig(128, 128, 64, 8, 4, 5, 4, flatten=True, epilogue_split=2),
+    # The default with fewer copy-engine chunks per peer: fewer host operations per call (13 copies and
+    # 12 flag writes at 4 splits on 4 GPUs), coarser arrival of the peers' rows.
+    ag.GemmConfig(128, 256, 64, 8, 8, 4, 1, flatten=True, epilogue_split=2),
+    ag.GemmConfig(128, 256, 64, 8, 8, 4, 2, flatten=True, epilogue_split=2),
 ]
 
 

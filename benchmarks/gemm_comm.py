@@ -242,14 +242,15 @@ def measure(m: int, k: int, n: int, case: Case, args: argparse.Namespace, sweep:
             print(f"rank {rank}: sweep config {cfg} at {m} {k} {n} failed: {e}", flush=True)
             continue
         run = {"ours": lambda cfg=cfg: case.ours(cfg)}
-        t = time_ranks_interleaved(run, args.iters, args.reps)["ours"].gpu_ms
+        t = time_ranks_interleaved(run, args.iters, args.reps)["ours"]
         fields = " ".join(f.name for f in dataclasses.fields(cfg))
         sweep_rows.append(
             {
                 "M K N": f"{m} {k} {n}",
                 fields: " ".join(map(str, dataclasses.astuple(cfg))),
-                "us": t * 1e3,
-                f"/ {baseline}": t / ms[baseline],
+                "us": t.gpu_ms * 1e3,
+                f"/ {baseline}": t.gpu_ms / ms[baseline],
+                "host us": t.host_ms * 1e3,
             }
         )
         if rank == 0:
