@@ -151,6 +151,18 @@ def lead_cycles(host_s: float) -> int:
     return int(slowest(float(min(max(LEAD_CYCLES, int(4e9 * host_s)), MAX_LEAD_CYCLES))))
 
 
+def warm_lead(fn: Callable[[], object], reps: int) -> int:
+    """Warm `fn` up (compilation, cuBLAS heuristics, allocator, clocks: two rounds of `reps` calls) and
+    return the `lead_cycles` of queueing the last round; the GPU is idle on return."""
+    for _ in range(2):
+        queued = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        host_s = time.perf_counter() - queued
+    torch.cuda.synchronize()
+    return lead_cycles(host_s)
+
+
 @dataclass
 class RankTimes:
     """The slowest rank's median milliseconds per call: on the GPU (the calls queued before the start
@@ -168,14 +180,7 @@ def time_ranks_interleaved(
     meets a cold GPU first), after a barrier and a GPU sleep (`lead_cycles` of the warm-up's host time).
     A call whose host time exceeds its GPU time is launch-bound wherever the host does not run ahead."""
     labels = list(fns)
-    lead = {}  # per call: a sleep longer than its host needs to queue `reps` calls
-    for label, fn in fns.items():  # warm-up: compilation, cuBLAS heuristics, allocator, clocks
-        for _ in range(2):
-            queued = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            lead[label] = lead_cycles(time.perf_counter() - queued)
-    torch.cuda.synchronize()
+    lead = {label: warm_lead(fn, reps) for label, fn in fns.items()}
     samples: dict[str, list[tuple[torch.cuda.Event, torch.cuda.Event, float]]] = {lb: [] for lb in labels}
     for i in range(iters):
         for label in labels[i % len(labels) :] + labels[: i % len(labels)]:

@@ -19,7 +19,6 @@ import json
 import math
 import statistics
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,8 +29,8 @@ import torch.distributed as dist
 from benchmarks.common import (
     LEAD_CYCLES,
     init_gpu_ranks,
-    lead_cycles,
     time_ranks_interleaved,
+    warm_lead,
     write_results,
 )
 
@@ -269,13 +268,7 @@ def timeline(fn: Callable[[], object], reps: int) -> list[dict[str, object]]:
     rounds queue them (every rank calls it; each profiles its own): name, stream, start and duration in
     microseconds, starts counted from the end of the sleep. Where the copies and waits of ours sit
     against its GEMM is what the overlap's cost comes down to."""
-    fn()
-    torch.cuda.synchronize()
-    queued = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    lead = lead_cycles(time.perf_counter() - queued)
-    torch.cuda.synchronize()
+    lead = warm_lead(fn, reps)
     dist.barrier()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         torch.cuda._sleep(lead)
