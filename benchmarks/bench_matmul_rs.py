@@ -33,8 +33,9 @@ SHAPES = [(8192, 3584, 4096), (16384, 7168, 8192), (4096, 4096, 7168), (16384, 1
 # What else was swept (tiles 128x128, 64x256, 128x256x32, groups 4 and 16, two programs per SM, TMA
 # stores for the pushes) and lost: benchmarks/results/matmul_rs_gemm-h100.md.
 SWEEP = [
-    mrs.GemmConfig(128, 256, 64, 8, 8, 3),
-    mrs.GemmConfig(128, 256, 64, 16, 8, 4),
+    mrs.GemmConfig(128, 256, 64, 8, 8, 4),
+    mrs.GemmConfig(128, 256, 64, 8, 8, 3, push_launch=True),
+    mrs.GemmConfig(128, 256, 64, 16, 8, 4, push_launch=True),
 ]
 
 

@@ -3,11 +3,13 @@ and the reference.
 
     out = matmul_reduce_scatter(a, b, dim, group)  ==  reduce_scatter(a @ b, dim)   (sum)
 
-`a` holds this rank's K shard of every row; chunk d of `dim` of the summed product goes to rank d. One
-persistent Triton GEMM (tensor-descriptor loads, i.e. TMA on Hopper) does everything: it pushes its
-partial tiles of the peers' rows straight into the peers' symmetric buffers while it computes, and
-finishes its own rows by adding the peers' pushed tiles to its own accumulator. No second kernel, no
-side stream, no copy of `a` or of the weight.
+`a` holds this rank's K shard of every row; chunk d of `dim` of the summed product goes to rank d. Two
+persistent Triton GEMMs (tensor-descriptor loads, i.e. TMA on Hopper), back to back on the caller's
+stream, do everything: the first computes the peers' rows and pushes its partial tiles straight into the
+peers' symmetric buffers while it computes; the second, which may start on each SM the first leaves
+(programmatic dependent launch), finishes this rank's own rows by adding the peers' pushed tiles to its
+own accumulator. No side stream, no copy of `a` or of the weight. (A config without `push_launch` runs
+both parts in the second kernel alone, one launch.)
 
 Data layout
 -----------
@@ -25,19 +27,24 @@ W steps of T = P * ceil(R / BM) * ceil(N / BN) tiles: step s computes the rows o
 computed by some peer. Inside a step the (row tile, column tile) pairs follow a group-M swizzle (GROUP_M
 row tiles share their B tiles in L2); every rank uses the same order inside a step.
 
-* A tile of a peer's rows is stored (plain stores over NVLink) into slot (rank - dest) % W - 1 of the
-  destination's data buffer, then announced by writing `epoch + 1` into that slot's flag for the tile
-  in the destination's flag buffer (release, system scope). The release waits for the stores to land,
-  so it is deferred until after the program's next tile's main loop: the stores drain while it
-  computes, and a program never waits on anything while it holds an unannounced push.
-* A tile of this rank's rows waits (acquire, bounded) until the W - 1 peers' flags of that tile reached
-  `epoch + 1`, then adds their bf16 partials to its own fp32 accumulator in rank order and writes the
-  output shard. Only the last 1/W of the GEMM waits, and only on peers' GEMM tiles that never wait
-  themselves. Tiles are claimed (an atomic counter, zeroed per launch) rather than dealt out by
-  program id, so every push tile is taken by a program that is running: when another kernel (FSDP's
-  NCCL collectives, say) holds some SMs, the programs that are not yet resident hold no pushes that
-  resident programs of the peers could be spinning for, and there is no wait cycle whatever the SM
-  occupancy.
+* A tile of a peer's rows (the first launch: steps 0 .. W - 2, program i taking tiles i, i + G, ...) is
+  stored (plain stores over NVLink) into slot (rank - dest) % W - 1 of the destination's data buffer.
+  When a program has pushed all its tiles it announces them: one release (system scope, it waits for
+  the stores to land), writing `epoch + 1` into each tile's flag of that slot in the destination's flag
+  buffer. Nothing in this launch waits, so its static schedule needs no claims, and Triton flattens its
+  persistent loop and K loop into one pipeline: a tile's pushes drain while the next tile's loads are
+  in flight (on one H100 the GEMM alone went from 1.13 / 1.05 / 1.13 / 1.02x cuBLAS in one launch to
+  1.09 / 1.02 / 1.09 / 1.00x at the benchmark's shapes, matmul_rs_gemm-h100.md).
+* A tile of this rank's rows (the second launch, step W - 1) waits (acquire, bounded) until the W - 1
+  peers' flags of that tile reached `epoch + 1`, then adds their bf16 partials to its own fp32
+  accumulator in rank order and writes the output shard. Only this 1/W of the GEMM waits, and only on
+  peers' first launches, which never wait. The second launch's programs start only once every program
+  of the first has started (its trigger is at the start), so no resident program of any rank spins for a
+  push that a program still waiting for an SM would make, whatever the SM occupancy; its tiles are
+  claimed from an atomic counter (zeroed before the first launch, so that the second follows the first
+  directly), and it waits for the first launch to end before advancing the epoch. In the one-launch
+  form the push tiles are claimed too, and a tile's release is deferred until after the program's next
+  tile's main loop.
 
 Flags are per tile and hold the epoch of the call that wrote them (`epoch` counts the calls on the
 group, kept on the device beside the flags as in kernels/symm_mem.py): they are never reset, a stale
@@ -46,7 +53,7 @@ working. They need no per-shape bookkeeping either, unlike counters would.
 
 Why no barrier is needed: buffers and flags come in two halves, a call using half `epoch % 2`. A peer
 writes half e % 2 of this rank's buffers during its call e + 2 only after its call e + 1 ended, which
-waited for this rank's call e + 1 pushes, which this rank's stream issued only after its call e kernel
+waited for this rank's call e + 1 pushes, which this rank's stream issued only after its call e kernels
 (the last reader of half e % 2) had ended. So a peer is at most one call ahead and never writes the half
 this rank is reading. All calls of a group go through one flag buffer and one epoch, whatever data
 buffer (size class) they use, so the argument holds across shapes. Calls of one group must be issued on
@@ -78,10 +85,12 @@ import torch
 import torch.distributed as dist
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.symm_mem import (
     DEFAULT_TIMEOUT_S,
+    INTERPRETED,
     SymmBuffer,
     check_status,
     get_symm_buffer,
@@ -93,6 +102,7 @@ from kernels.symm_mem import (
 )
 
 SUPPORTED_WORLD_SIZES = (2, 4, 8)
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # pushed partials
 TMA_ALIGN = 8  # bf16 elements per 16 bytes: K and N must be multiples (TMA row strides)
 DATA_TAG = "matmul_rs"
 FLAG_TAG = "matmul_rs_flags"
@@ -110,17 +120,21 @@ class GemmConfig:
     group_m: int
     num_warps: int
     num_stages: int
+    # push_launch: the peers' tiles in a launch of their own (`_push_kernel`: a static schedule whose
+    # persistent loop and K loop Triton flattens into one pipeline, so a tile's pushes overlap the next
+    # tile's loads), then this rank's own tiles in a second (`_matmul_rs_kernel` over them alone).
+    push_launch: bool = False
 
 
-# (largest N, config), first match. 128x256x64 / 8 warps is the wgmma-friendly Hopper tile; its 4th
-# stage took the GEMM alone about 1% closer to cuBLAS than 3 stages at every benchmark shape on one H200
-# and was within noise of it on one H100 (benchmarks/results/matmul_rs_gemm-h100.md). Narrow outputs
-# get 128x128 tiles so that enough tiles exist to fill the SMs. Refine from `torchrun
-# --nproc_per_node=4 benchmarks/bench_matmul_rs.py --sweep`, the GEMM alone from
-# `python -m benchmarks.bench_matmul_rs --gemm-alone --sweep` on one GPU.
+# (largest N, config), first match. 128x256x64 / 8 warps is the wgmma-friendly Hopper tile, with 4
+# stages and the peers' tiles in a launch of their own: on one H100 the GEMM alone took 1.09-1.10x cuBLAS
+# at K = 3584-4096 and 1.00-1.02x at K = 7168-14336, against 1.13 and 1.02-1.05 in one launch
+# (benchmarks/results/matmul_rs_gemm-h100.md). Narrow outputs get 128x128 tiles so that enough tiles
+# exist to fill the SMs. Refine from `torchrun --nproc_per_node=4 benchmarks/bench_matmul_rs.py
+# --sweep`, the GEMM alone from `python -m benchmarks.bench_matmul_rs --gemm-alone --sweep` on one GPU.
 CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
-    (1024, GemmConfig(128, 128, 64, 8, 8, 4)),
-    (1 << 62, GemmConfig(128, 256, 64, 8, 8, 4)),
+    (1024, GemmConfig(128, 128, 64, 8, 8, 4, push_launch=True)),
+    (1 << 62, GemmConfig(128, 256, 64, 8, 8, 4, push_launch=True)),
 )
 
 
@@ -275,10 +289,12 @@ def _matmul_rs_kernel(
     epoch_ptr, status_ptr, claim_ptr, timeout_ns, k, rows, n, pieces, tile_begin, tile_end,
     RANK: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     GROUP_M: tl.constexpr, B_KN: tl.constexpr, EPOCH_SLOTS: tl.constexpr, OP_ID: tl.constexpr,
+    AFTER_PUSHES: tl.constexpr,
 ):  # fmt: skip
     """Persistent GEMM + reduce-scatter over tiles [tile_begin, tile_end) of `_tile_coords`' order
     (the whole call is [0, W * T)), claimed one by one through the zeroed int32 at `claim_ptr`; see
-    the module docstring."""
+    the module docstring. AFTER_PUSHES: launched (programmatic dependent launch) after `_push_kernel`,
+    which it may overlap; it waits for that launch to end before advancing the epoch."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     DT: tl.constexpr = out_ptr.dtype.element_ty
@@ -334,10 +350,65 @@ def _matmul_rs_kernel(
         tile = tile_begin + tl.atomic_add(claim_ptr, 1, sem="relaxed")
     if pending_dest >= 0:
         _announce(flag_table, pending_dest, flag_offset, pending_flag, epoch + 1)
+    if AFTER_PUSHES:
+        gdc_wait()  # the push launch read its epoch slots: it has ended before they advance
     # Every slot advances (each program writes slots pid, pid + nprog, ...): the next launch may use
     # another grid. Slot pid is written by program pid only, after its read.
     for s in range(pid, EPOCH_SLOTS, nprog):
         tl.store(epoch_ptr + s, epoch + 1)
+
+
+@triton.jit
+def _push_kernel(
+    a_desc, b_desc, data_table, data_offset, data_half, flag_table, flag_offset, flag_half, epoch_ptr,
+    k, rows, n, pieces,
+    RANK: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GROUP_M: tl.constexpr, B_KN: tl.constexpr, DT: tl.constexpr, TILES_PER_PROGRAM: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """Persistent GEMM over the peers' tiles [0, (W - 1) * T) of `_tile_coords`' order, program i
+    taking tiles i, i + G, ...: each tile is pushed into its destination's slot, and once the program
+    has pushed all of them it announces them (one release, then a flag per tile). It never waits, so a
+    static schedule cannot deadlock, and Triton flattens the loop: a tile's pushes drain while the
+    next tile's loads are in flight. With PDL the own-rows launch may take each SM this one leaves."""
+    if PDL:
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    BH: tl.constexpr = BN // 2
+    epoch = load_epoch(epoch_ptr, pid)
+    parity = (epoch & 1).to(tl.int64)
+    data_offset += parity * data_half
+    flag_offset += parity * flag_half * 4
+    n = n // 8 * 8  # see _matmul_rs_kernel
+    row_tiles_per_piece = tl.cdiv(rows, BM)
+    row_tiles = pieces * row_tiles_per_piece
+    n_tiles = tl.cdiv(n, BN)
+    tiles_per_dest = row_tiles * n_tiles
+    slot_numel = tl.cast(pieces, tl.int64) * rows * n
+    k_tiles = tl.cdiv(k, BK)
+    total = (WORLD - 1) * tiles_per_dest
+    for tile in tl.range(pid, total, nprog, flatten=True):
+        dest, m, j = _tile_coords(tile, tiles_per_dest, row_tiles, n_tiles, RANK, WORLD, GROUP_M)
+        piece = m // row_tiles_per_piece
+        row0 = (m % row_tiles_per_piece) * BM
+        n0 = j * BN
+        left, right = _product(a_desc, b_desc, piece * WORLD + dest, row0, n0, k_tiles, BM, BN, BK, B_KN)
+        slot = (RANK - dest + WORLD) % WORLD - 1
+        base = _rank_base(data_table, dest, data_offset, DT) + slot * slot_numel
+        ptrs, mask = _tile_ptrs(base, piece, row0, n0, rows, n, BM, BH)
+        tl.store(ptrs, left.to(DT), mask=mask)
+        ptrs, mask = _tile_ptrs(base, piece, row0, n0 + BH, rows, n, BM, BH)
+        tl.store(ptrs, right.to(DT), mask=mask)
+    # Every thread's pushes before the flags; the flags of all this program's tiles in one vector
+    # release (each lane one flag), so the release waits for the pushes once.
+    tl.debug_barrier()
+    tiles = pid + nprog * tl.arange(0, TILES_PER_PROGRAM)
+    dest, m, j = _tile_coords(tiles, tiles_per_dest, row_tiles, n_tiles, RANK, WORLD, GROUP_M)
+    flags = _rank_base(flag_table, dest, flag_offset, tl.int32)
+    flag = ((RANK - dest + WORLD) % WORLD - 1) * tiles_per_dest + m * n_tiles + j
+    value = tl.zeros_like(flag) + epoch + 1
+    tl.atomic_xchg(flags + flag, value, mask=tiles < total, sem="release", scope="sys")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,40 +451,68 @@ def launch(
     timeout_ns: int,
     tiles: tuple[int, int] | None = None,
 ) -> triton.compiler.CompiledKernel:
-    """Launch the persistent kernel: `out` ([P, R, N], contiguous) = this rank's rows of the sum over
-    ranks of `a` ([P, W, R, K], contiguous) @ `b`. `tiles` restricts the launch to a range of the
-    schedule (default: all W * T tiles, one whole call). Returns the compiled kernel."""
+    """Launch the persistent kernel(s): `out` ([P, R, N], contiguous) = this rank's rows of the sum
+    over ranks of `a` ([P, W, R, K], contiguous) @ `b`, each launch with at most `num_programs`
+    programs. `tiles` restricts the call to a range of the schedule (default: all W * T tiles, one
+    whole call); with `config.push_launch` the range is the peers' tiles [0, (W - 1) * T), the own
+    tiles [(W - 1) * T, W * T) or both. Returns the compiled kernel of the first launch (with
+    push_launch the push kernel, which runs most of the tiles)."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     p, w, r, k, n = layout.pieces, layout.world, layout.rows, layout.k, layout.n
     if tuple(a.shape) != (p, w, r, k) or not a.is_contiguous():
         raise ValueError(f"a must be a contiguous [{p}, {w}, {r}, {k}] tensor, got {tuple(a.shape)}")
     if tuple(out.shape) != (p, r, n) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [{p}, {r}, {n}] tensor, got {tuple(out.shape)}")
-    if (w - 1) * layout.tiles_per_dest(config) > buffers.flag_half:
+    per_dest = layout.tiles_per_dest(config)
+    if (w - 1) * per_dest > buffers.flag_half:
         raise ValueError(
-            f"{(w - 1) * layout.tiles_per_dest(config)} tiles need more flags than the {buffers.flag_half} "
-            "of a flag-buffer half: use larger tiles"
+            f"{(w - 1) * per_dest} tiles need more flags than the {buffers.flag_half} of a flag-buffer "
+            "half: use larger tiles"
         )
     if not 1 <= num_programs <= EPOCH_SLOTS:
         raise ValueError(f"num_programs must be in [1, {EPOCH_SLOTS}], got {num_programs}")
-    total = w * layout.tiles_per_dest(config)
+    peers, total = (w - 1) * per_dest, w * per_dest
     begin, end = tiles if tiles is not None else (0, total)
     if not 0 <= begin <= end <= total:
         raise ValueError(f"tile range [{begin}, {end}) outside the schedule's [0, {total})")
+    if config.push_launch and (begin, end) not in ((0, peers), (peers, total), (0, total)):
+        raise ValueError(
+            f"with push_launch a launch covers the peers' tiles [0, {peers}), the own tiles "
+            f"[{peers}, {total}) or both, not [{begin}, {end})"
+        )
     b_kn = is_kn_layout(b)
     a_desc = TensorDescriptor(a, [p * w, r, k], [r * k, k, 1], [1, bm, bk])
     if b_kn:
         b_desc = TensorDescriptor(b, [k, n], [n, 1], [bk, bn])
     else:
         b_desc = TensorDescriptor(b.t(), [n, k], [k, 1], [bn, bk])
+    # Zeroed before the push launch: the own-rows launch must directly follow it to overlap it.
     claims = torch.zeros(1, dtype=torch.int32, device=a.device)
-    return _matmul_rs_kernel[(num_programs,)](
+    pushed = config.push_launch and begin == 0 and peers > 0
+    first = None
+    if pushed:
+        programs = min(num_programs, peers)
+        per_program = triton.next_power_of_2(triton.cdiv(peers, programs))
+        first = _push_kernel[(programs,)](
+            a_desc, b_desc, buffers.data_table, buffers.data_offset, buffers.data_half,
+            buffers.flag_table, buffers.flag_offset, buffers.flag_half, buffers.epochs, k, r, n, p,
+            RANK=rank, WORLD=w, BM=bm, BN=bn, BK=bk, GROUP_M=config.group_m, B_KN=b_kn,
+            DT=_TL_DTYPES[out.dtype], TILES_PER_PROGRAM=per_program, PDL=not INTERPRETED,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+        begin = peers
+        if end == peers:
+            return first
+    after_pushes = pushed and not INTERPRETED
+    own = _matmul_rs_kernel[(min(num_programs, max(1, end - begin)),)](
         a_desc, b_desc, out, buffers.data_table, buffers.data_offset, buffers.data_half,
         buffers.flag_table, buffers.flag_offset, buffers.flag_half, buffers.epochs, buffers.status,
         claims, timeout_ns, k, r, n, p, begin, end,
         RANK=rank, WORLD=w, BM=bm, BN=bn, BK=bk, GROUP_M=config.group_m, B_KN=b_kn,
-        EPOCH_SLOTS=EPOCH_SLOTS, OP_ID=OP, num_warps=config.num_warps, num_stages=config.num_stages,
+        EPOCH_SLOTS=EPOCH_SLOTS, OP_ID=OP, AFTER_PUSHES=after_pushes, num_warps=config.num_warps,
+        num_stages=config.num_stages, **({"launch_pdl": True} if after_pushes else {}),
     )  # fmt: skip
+    return first or own
 
 
 def grid_size(layout: ScatterLayout, config: GemmConfig, num_sms: int) -> int:

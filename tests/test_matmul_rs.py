@@ -32,7 +32,7 @@ import triton.language as tl
 from kernels import matmul_rs as mrs
 from kernels.symm_mem import SymmMemTimeout
 from tests.multiprocess import GPU_WORLDS, TIMEOUT_TEST_S, rank_gpu, run_ranks
-from tests.sm90 import compile_ptx, run_without_interpreter
+from tests.sm90 import compile_ptx, ptxas_log, run_without_interpreter
 
 # ------------------------------------------------------------------------------------ CPU: schedule
 
@@ -150,10 +150,11 @@ MATH_CASES = [  # world, pieces, rows per destination, K, N, b as [K, N], BM BN 
 ]
 
 
+@pytest.mark.parametrize("push_launch", [False, True])
 @pytest.mark.parametrize("case", MATH_CASES)
-def test_kernel_on_simulated_ranks(case) -> None:
+def test_kernel_on_simulated_ranks(case, push_launch: bool) -> None:
     world, pieces, rows, k, n, kn, (bm, bn, bk), calls = case
-    config = mrs.GemmConfig(bm, bn, bk, 2, 4, 2)
+    config = mrs.GemmConfig(bm, bn, bk, 2, 4, 2, push_launch=push_launch)
     layout = mrs.ScatterLayout(pieces, rows, k, n, world)
     sim = SimulatedWorld(world, layout.half_bytes(), (world - 1) * layout.tiles_per_dest(config))
     for call in range(calls):
@@ -189,12 +190,21 @@ def test_launch_validates_its_arguments() -> None:
         mrs.launch(a, b, out, layout, sim.buffers(0), 0, config, mrs.EPOCH_SLOTS + 1, 1)
     with pytest.raises(ValueError, match="tile range"):
         mrs.launch(a, b, out, layout, sim.buffers(0), 0, config, 1, 1, (0, 3))
+    # Two row tiles per destination: the push launch takes both of the peer's, never one.
+    layout = mrs.ScatterLayout(1, 32, 16, 8, 2)
+    pushes = mrs.GemmConfig(16, 16, 16, 1, 4, 1, push_launch=True)
+    sim = SimulatedWorld(2, layout.half_bytes(), layout.tiles_per_dest(pushes))
+    a, out = torch.zeros(1, 2, 32, 16).half(), torch.zeros(1, 32, 8).half()
+    with pytest.raises(ValueError, match="push_launch"):
+        mrs.launch(a, b, out, layout, sim.buffers(0), 0, pushes, 1, 1, (1, 4))
 
 
 ALONE_CASES = [  # world, rank, a's shape, dim, N, b as [K, N], config
     (2, 0, (74, 40), 0, 24, True, mrs.GemmConfig(16, 16, 16, 2, 4, 2)),
     (4, 3, (2, 52, 24), 1, 40, False, mrs.GemmConfig(16, 32, 16, 1, 4, 2)),
     (8, 5, (3, 16, 16), 1, 16, True, mrs.GemmConfig(16, 16, 8, 4, 4, 3)),
+    (4, 1, (2, 52, 24), 1, 40, False, mrs.GemmConfig(16, 32, 16, 1, 4, 2, push_launch=True)),
+    (2, 1, (74, 40), 0, 24, True, mrs.GemmConfig(16, 16, 16, 2, 4, 2, push_launch=True)),
 ]
 
 
@@ -256,6 +266,26 @@ def _compile_sm90(world: int, config: mrs.GemmConfig, b_kn: bool, n_multiple_of_
     )
 
 
+def _compile_push_sm90(world: int, config: mrs.GemmConfig, b_kn: bool) -> str:
+    """PTX of the push kernel for sm_90, specialized as a launch does (N a multiple of 16)."""
+    import triton.language as tl
+
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    sig = {
+        "a_desc": f"tensordesc<bf16[1,{bm},{bk}]>",
+        "b_desc": f"tensordesc<bf16[{bk},{bn}]>" if b_kn else f"tensordesc<bf16[{bn},{bk}]>",
+        "data_table": "i64", "data_offset": "i64", "data_half": "i64", "flag_table": "i64",
+        "flag_offset": "i64", "flag_half": "i32", "epoch_ptr": "*i32", "k": "i32", "rows": "i32",
+        "n": "i32", "pieces": "i32",
+    }  # fmt: skip
+    const = {"RANK": world - 1, "WORLD": world, "BM": bm, "BN": bn, "BK": bk, "GROUP_M": config.group_m,
+             "B_KN": b_kn, "DT": tl.bfloat16, "TILES_PER_PROGRAM": 8, "PDL": True, "pieces": 1}  # fmt: skip
+    return compile_ptx(
+        mrs._push_kernel, sig, const, ("epoch_ptr", "k", "rows", "n"),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+
+
 def check_sm90_ptx() -> None:
     """Compile the kernel for sm_90 with the table's configs and check the PTX has what the design
     relies on, and that every config the benchmark sweeps builds (nn.Linear layout, as the benchmark
@@ -272,6 +302,15 @@ def check_sm90_ptx() -> None:
         assert "st.global.v4" in ptx and "ld.global.cg.v4" in ptx, f"{what}: pushes and reads not 16-byte"
         assert "atom.global.sys.release" in ptx or "atom.release.sys" in ptx, f"{what}: no system release"
         assert "ld.acquire.sys" in ptx and "%globaltimer" in ptx, f"{what}: waits must be bounded acquires"
+        if config.push_launch:
+            ptx = _compile_push_sm90(world, config, b_kn)
+            assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, f"{what}: push kernel: no wgmma / TMA"
+            assert "st.global.v4" in ptx, f"{what}: pushes not 16-byte"
+            released = "atom.global.sys.release" in ptx or "atom.release.sys" in ptx
+            assert released, f"{what}: push kernel: flags not released at system scope"
+            assert "griddepcontrol.launch_dependents" in ptx, f"{what}: the own-rows launch cannot overlap"
+            log = ptxas_log(ptx)
+            assert "serialized" not in log and "0 bytes spill stores" in log, f"{what}: push kernel: {log}"
 
 
 def test_kernel_compiles_for_sm90() -> None:
