@@ -429,12 +429,23 @@ def launch_gemm(
     )  # fmt: skip
 
 
+# The table's copy chunks hold at least this many row tiles of a peer's rows. On 4x H200 (bench_ag_matmul
+# --sweep, ag_matmul_sweep_splits-h200-x4.md) one chunk per peer beat four at 8 and 16 row tiles per rank
+# (4096 4096 7168: 1.151 -> 1.126x cuBLAS, 8192 4096 7168: 1.113 -> 1.086), where each chunk's copy,
+# flag write and first wait are a larger share of the call; at 32 (16384 rows) four were faster (1.006
+# against 1.044 at 16384 8192 14336) and two as fast.
+MIN_TILES_PER_SPLIT = 16
+
+
 def resolve_config(layout: GatherLayout, bs: Sequence[torch.Tensor], config: GemmConfig | None) -> GemmConfig:
-    """The config a call runs: `config` or the table's for these weights, its splits clamped to the row
-    tiles per rank."""
+    """The config a call runs: `config`, or the table's for these weights with its splits cut to chunks
+    of at least MIN_TILES_PER_SPLIT row tiles; either way its splits clamped to the row tiles per rank."""
     cfg = config or pick_config(sum(b.shape[1] for b in bs))
     tiles_per_rank = layout.pieces * triton.cdiv(layout.rows, cfg.block_m)
-    return dataclasses.replace(cfg, splits=max(1, min(cfg.splits, tiles_per_rank)))
+    splits = min(cfg.splits, tiles_per_rank)
+    if config is None:
+        splits = min(splits, tiles_per_rank // MIN_TILES_PER_SPLIT)
+    return dataclasses.replace(cfg, splits=max(1, splits))
 
 
 def sm_count(device: torch.device) -> int:

@@ -15,6 +15,7 @@ poisoned; CUDA-graph capture with replays on fresh inputs mixed with eager calls
 enters -> SymmMemTimeout naming it.
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -301,6 +302,19 @@ def test_pick_config_and_dispatch() -> None:
     from parallel.comm import _find_kernel
 
     assert _find_kernel("all_gather_matmul") is ag.all_gather_matmul
+
+
+def test_table_splits_follow_the_rows_per_rank() -> None:
+    """The table's copy chunks hold at least MIN_TILES_PER_SPLIT row tiles (one chunk for a few rows); an
+    explicit config keeps its splits, only clamped to the row tiles."""
+    b = [torch.empty(4096, 7168)]
+    block_m = ag.pick_config(7168).block_m
+    for rows_per_rank, expected in ((100, 1), (8 * block_m, 1), (32 * block_m, 2), (64 * block_m, 4)):
+        layout = ag.GatherLayout(1, rows_per_rank, 4096, 4)
+        assert ag.resolve_config(layout, b, None).splits == expected, rows_per_rank
+    explicit = dataclasses.replace(ag.pick_config(7168), splits=3)
+    assert ag.resolve_config(ag.GatherLayout(1, 8 * block_m, 4096, 4), b, explicit).splits == 3
+    assert ag.resolve_config(ag.GatherLayout(1, 2 * block_m, 4096, 4), b, explicit).splits == 2
 
 
 def _reference_on_rank(rank: int, world: int) -> None:
