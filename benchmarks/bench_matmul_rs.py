@@ -36,9 +36,6 @@ SWEEP = [
     mrs.GemmConfig(128, 256, 64, 8, 8, 4),
     mrs.GemmConfig(128, 256, 64, 8, 8, 3, push_launch=True),
     mrs.GemmConfig(128, 256, 64, 16, 8, 4, push_launch=True),
-    # The pushes as TMA stores (host-made descriptors of each destination's slot).
-    mrs.GemmConfig(128, 256, 64, 8, 8, 3, push_launch=True, tma_pushes=True),
-    mrs.GemmConfig(128, 256, 64, 8, 8, 4, push_launch=True, tma_pushes=True),
 ]
 
 

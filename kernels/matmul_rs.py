@@ -124,9 +124,6 @@ class GemmConfig:
     # persistent loop and K loop Triton flattens into one pipeline, so a tile's pushes overlap the next
     # tile's loads), then this rank's own tiles in a second (`_matmul_rs_kernel` over them alone).
     push_launch: bool = False
-    # tma_pushes (with push_launch): the pushes as tensor-descriptor (TMA) stores into the peers'
-    # buffers, through host-made descriptors of each destination's slot, rather than plain stores.
-    tma_pushes: bool = False
 
 
 # (largest N, config), first match. 128x256x64 / 8 warps is the wgmma-friendly Hopper tile, with 4
@@ -361,62 +358,13 @@ def _matmul_rs_kernel(
         tl.store(epoch_ptr + s, epoch + 1)
 
 
-MAX_PEERS = 7  # push descriptors a launch takes (world size 8)
-
-
-@triton.jit
-def _tma_push_tile(a_desc, b_desc, push_desc, a_piece, parity, piece, row0, n0, k_tiles,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_KN: tl.constexpr,
-                   DT: tl.constexpr):  # fmt: skip
-    """One peer's tile, its halves stored through `push_desc` ([2, P, R, N]: the two buffer halves
-    of this rank's slot at the destination)."""
-    BH: tl.constexpr = BN // 2
-    left, right = _product(a_desc, b_desc, a_piece, row0, n0, k_tiles, BM, BN, BK, B_KN)
-    push_desc.store([parity, piece, row0, n0], left.to(DT).reshape(1, 1, BM, BH))
-    push_desc.store([parity, piece, row0, n0 + BH], right.to(DT).reshape(1, 1, BM, BH))
-
-
-@triton.jit
-def _tma_push(a_desc, b_desc, p0, p1, p2, p3, p4, p5, p6, step, a_piece, parity, piece, row0, n0,
-              k_tiles, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-              B_KN: tl.constexpr, DT: tl.constexpr):  # fmt: skip
-    """`_tma_push_tile` with the descriptor of step `step`'s destination. Descriptors cannot be indexed
-    at run time, and Triton 3.6 flattens no loop with a branch after its inner loop, so each branch
-    holds a whole tile, as ag_matmul's weights do."""
-    if step == 0:
-        _tma_push_tile(a_desc, b_desc, p0, a_piece, parity, piece, row0, n0, k_tiles, BM, BN, BK, B_KN, DT)
-    if WORLD > 2 and step == 1:
-        _tma_push_tile(a_desc, b_desc, p1, a_piece, parity, piece, row0, n0, k_tiles, BM, BN, BK, B_KN, DT)
-    if WORLD > 2 and step == 2:
-        _tma_push_tile(a_desc, b_desc, p2, a_piece, parity, piece, row0, n0, k_tiles, BM, BN, BK, B_KN, DT)
-    if WORLD > 4 and step == 3:
-        _tma_push_tile(a_desc, b_desc, p3, a_piece, parity, piece, row0, n0, k_tiles, BM, BN, BK, B_KN, DT)
-    if WORLD > 4 and step == 4:
-        _tma_push_tile(a_desc, b_desc, p4, a_piece, parity, piece, row0, n0, k_tiles, BM, BN, BK, B_KN, DT)
-    if WORLD > 4 and step == 5:
-        _tma_push_tile(a_desc, b_desc, p5, a_piece, parity, piece, row0, n0, k_tiles, BM, BN, BK, B_KN, DT)
-    if WORLD > 4 and step == 6:
-        _tma_push_tile(a_desc, b_desc, p6, a_piece, parity, piece, row0, n0, k_tiles, BM, BN, BK, B_KN, DT)
-
-
-@triton.jit
-def _bulk_stores_landed(ON: tl.constexpr):
-    """Wait until this thread's bulk (TMA) stores are complete, then order them (async proxy) before
-    its later generic-proxy operations: the flags' release."""
-    if ON:
-        tl.inline_asm_elementwise(
-            "cp.async.bulk.wait_group 0;\n fence.proxy.async.global;\n mov.u32 $0, 0;",
-            "=r", [], dtype=tl.int32, is_pure=False, pack=1,
-        )  # fmt: skip
-
-
 @triton.jit
 def _push_kernel(
-    a_desc, b_desc, p0, p1, p2, p3, p4, p5, p6, data_table, data_offset, data_half, flag_table,
-    flag_offset, flag_half, epoch_ptr, k, rows, n, pieces,
+    a_desc, b_desc, data_table, data_offset, data_half, flag_table, flag_offset, flag_half, epoch_ptr,
+    k, rows, n, pieces,
     RANK: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     GROUP_M: tl.constexpr, B_KN: tl.constexpr, DT: tl.constexpr, TILES_PER_PROGRAM: tl.constexpr,
-    TMA_PUSH: tl.constexpr, FENCE: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Persistent GEMM over the peers' tiles [0, (W - 1) * T) of `_tile_coords`' order, program i
     taking tiles i, i + G, ...: each tile is pushed into its destination's slot, and once the program
@@ -445,22 +393,15 @@ def _push_kernel(
         piece = m // row_tiles_per_piece
         row0 = (m % row_tiles_per_piece) * BM
         n0 = j * BN
-        if TMA_PUSH:
-            _tma_push(a_desc, b_desc, p0, p1, p2, p3, p4, p5, p6, tile // tiles_per_dest,
-                      piece * WORLD + dest, parity.to(tl.int32), piece, row0, n0, k_tiles,
-                      WORLD, BM, BN, BK, B_KN, DT)  # fmt: skip
-        else:
-            left, right = _product(a_desc, b_desc, piece * WORLD + dest, row0, n0, k_tiles, BM, BN, BK, B_KN)
-            slot = (RANK - dest + WORLD) % WORLD - 1
-            base = _rank_base(data_table, dest, data_offset, DT) + slot * slot_numel
-            ptrs, mask = _tile_ptrs(base, piece, row0, n0, rows, n, BM, BH)
-            tl.store(ptrs, left.to(DT), mask=mask)
-            ptrs, mask = _tile_ptrs(base, piece, row0, n0 + BH, rows, n, BM, BH)
-            tl.store(ptrs, right.to(DT), mask=mask)
+        left, right = _product(a_desc, b_desc, piece * WORLD + dest, row0, n0, k_tiles, BM, BN, BK, B_KN)
+        slot = (RANK - dest + WORLD) % WORLD - 1
+        base = _rank_base(data_table, dest, data_offset, DT) + slot * slot_numel
+        ptrs, mask = _tile_ptrs(base, piece, row0, n0, rows, n, BM, BH)
+        tl.store(ptrs, left.to(DT), mask=mask)
+        ptrs, mask = _tile_ptrs(base, piece, row0, n0 + BH, rows, n, BM, BH)
+        tl.store(ptrs, right.to(DT), mask=mask)
     # Every thread's pushes before the flags; the flags of all this program's tiles in one vector
     # release (each lane one flag), so the release waits for the pushes once.
-    if TMA_PUSH:
-        _bulk_stores_landed(FENCE)
     tl.debug_barrier()
     tiles = pid + nprog * tl.arange(0, TILES_PER_PROGRAM)
     dest, m, j = _tile_coords(tiles, tiles_per_dest, row_tiles, n_tiles, RANK, WORLD, GROUP_M)
@@ -484,9 +425,6 @@ class Buffers:
     flag_half: int
     epochs: torch.Tensor
     status: torch.Tensor
-    # Every rank's data buffer as a uint8 tensor from its table address (what tma_pushes' descriptors
-    # are made on); may be left empty for configs without tma_pushes.
-    peers: tuple[torch.Tensor, ...] = ()
 
 
 def is_kn_layout(b: torch.Tensor) -> bool:
@@ -555,15 +493,12 @@ def launch(
     if pushed:
         programs = min(num_programs, peers)
         per_program = triton.next_power_of_2(triton.cdiv(peers, programs))
-        push_descs = _push_descriptors(layout, buffers, rank, config, out.dtype) if config.tma_pushes else []
-        push_descs += [a_desc] * (MAX_PEERS - len(push_descs))  # unread
         first = _push_kernel[(programs,)](
-            a_desc, b_desc, *push_descs, buffers.data_table, buffers.data_offset, buffers.data_half,
+            a_desc, b_desc, buffers.data_table, buffers.data_offset, buffers.data_half,
             buffers.flag_table, buffers.flag_offset, buffers.flag_half, buffers.epochs, k, r, n, p,
             RANK=rank, WORLD=w, BM=bm, BN=bn, BK=bk, GROUP_M=config.group_m, B_KN=b_kn,
-            DT=_TL_DTYPES[out.dtype], TILES_PER_PROGRAM=per_program, TMA_PUSH=config.tma_pushes,
-            FENCE=not INTERPRETED, PDL=not INTERPRETED, num_warps=config.num_warps,
-            num_stages=config.num_stages,
+            DT=_TL_DTYPES[out.dtype], TILES_PER_PROGRAM=per_program, PDL=not INTERPRETED,
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
         begin = peers
         if end == peers:
@@ -578,26 +513,6 @@ def launch(
         num_stages=config.num_stages, **({"launch_pdl": True} if after_pushes else {}),
     )  # fmt: skip
     return first or own
-
-
-def _push_descriptors(
-    layout: ScatterLayout, buffers: Buffers, rank: int, config: GemmConfig, dtype: torch.dtype
-) -> list[TensorDescriptor]:
-    """For each step's destination (rank + 1, rank + 2, ...): a [2, P, R, N] descriptor of this rank's
-    slot in both halves of the destination's data buffer, stored in [BM, BN / 2] blocks."""
-    if len(buffers.peers) != layout.world:
-        raise ValueError("tma_pushes needs every rank's data buffer (Buffers.peers)")
-    p, r, n, w = layout.pieces, layout.rows, layout.n, layout.world
-    elem = torch.empty((), dtype=dtype).element_size()
-    descs = []
-    for step in range(w - 1):
-        dest = (rank + 1 + step) % w
-        slot = (rank - dest) % w - 1
-        start = buffers.data_offset + slot * layout.slot_numel() * elem
-        base = buffers.peers[dest][start:].view(dtype)
-        shape, strides = [2, p, r, n], [buffers.data_half // elem, r * n, n, 1]
-        descs.append(TensorDescriptor(base, shape, strides, [1, 1, config.block_m, config.block_n // 2]))
-    return descs
 
 
 def grid_size(layout: ScatterLayout, config: GemmConfig, num_sms: int) -> int:
@@ -663,7 +578,6 @@ class GemmAlone:
             flag_half=flag_half,
             epochs=self.epochs,
             status=torch.zeros(4, dtype=torch.int32, device=dev),
-            peers=tuple(self.data),
         )
         num_sms = (
             num_sms if num_sms is not None else torch.cuda.get_device_properties(dev).multi_processor_count
@@ -785,24 +699,15 @@ def _data_bytes(layout: ScatterLayout) -> int:
     return 2 * layout.half_bytes()
 
 
-def prepare(
-    a: torch.Tensor, b: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None, peers: bool = False
-) -> Buffers:
+def prepare(a: torch.Tensor, b: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None) -> Buffers:
     """The symmetric state of a call with these arguments, allocated on first use (collective over
-    `group`); with `peers` also every rank's data buffer as a tensor (tma_pushes). Before capturing a
-    CUDA graph, make one eager call of each shape instead: it also compiles and loads the kernel, which
-    cannot happen during a capture."""
+    `group`). Before capturing a CUDA graph, make one eager call of each shape instead: it also compiles
+    and loads the kernel, which cannot happen during a capture."""
     group = group if group is not None else dist.group.WORLD
     layout = scatter_layout(a.shape, dim, b.shape[1], dist.get_world_size(group))
     flags = _flag_buffer(group)
     data = get_symm_buffer(group, _data_bytes(layout), torch.uint8, tag=DATA_TAG)
     _PREPARED.setdefault(group.group_name, set()).add(data.nbytes)
-    views: tuple[torch.Tensor, ...] = ()
-    if peers:
-        size = [data.base_offset + data.nbytes]
-        views = tuple(
-            data.handle.get_buffer(r, size, torch.uint8, storage_offset=0) for r in range(data.world_size)
-        )
     return Buffers(
         data_table=data.buffer_ptrs_dev,
         data_offset=data.base_offset,
@@ -812,7 +717,6 @@ def prepare(
         flag_half=FLAGS_PER_HALF,
         epochs=flags.view(0, EPOCH_SLOTS, torch.int32),
         status=flags.status,
-        peers=views,
     )
 
 
@@ -844,8 +748,8 @@ def matmul_reduce_scatter_kernel(
             "yet, and allocating them is collective: run one eager call with these shapes before "
             "capturing the CUDA graph"
         )
+    buffers = prepare(a, b, dim, group)
     cfg = config or pick_config(layout.n)
-    buffers = prepare(a, b, dim, group, peers=cfg.tma_pushes)
     a = a.contiguous()
     # TMA needs 16-byte aligned bases. Copying an odd view (rare) rather than falling back keeps every
     # rank on the same path whatever its allocations.

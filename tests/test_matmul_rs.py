@@ -122,7 +122,6 @@ class SimulatedWorld:
             flag_half=self.flag_half,
             epochs=self.epochs[rank],
             status=self.status[rank],
-            peers=tuple(self.data),
         )
 
     def call(self, a: list[torch.Tensor], b: torch.Tensor, layout, config, num_programs: int):
@@ -151,13 +150,11 @@ MATH_CASES = [  # world, pieces, rows per destination, K, N, b as [K, N], BM BN 
 ]
 
 
-@pytest.mark.parametrize("pushes", ["one launch", "push launch", "tma pushes"])
+@pytest.mark.parametrize("push_launch", [False, True])
 @pytest.mark.parametrize("case", MATH_CASES)
-def test_kernel_on_simulated_ranks(case, pushes: str) -> None:
+def test_kernel_on_simulated_ranks(case, push_launch: bool) -> None:
     world, pieces, rows, k, n, kn, (bm, bn, bk), calls = case
-    config = mrs.GemmConfig(
-        bm, bn, bk, 2, 4, 2, push_launch=pushes != "one launch", tma_pushes=pushes == "tma pushes"
-    )
+    config = mrs.GemmConfig(bm, bn, bk, 2, 4, 2, push_launch=push_launch)
     layout = mrs.ScatterLayout(pieces, rows, k, n, world)
     sim = SimulatedWorld(world, layout.half_bytes(), (world - 1) * layout.tiles_per_dest(config))
     for call in range(calls):
@@ -208,7 +205,6 @@ ALONE_CASES = [  # world, rank, a's shape, dim, N, b as [K, N], config
     (8, 5, (3, 16, 16), 1, 16, True, mrs.GemmConfig(16, 16, 8, 4, 4, 3)),
     (4, 1, (2, 52, 24), 1, 40, False, mrs.GemmConfig(16, 32, 16, 1, 4, 2, push_launch=True)),
     (2, 1, (74, 40), 0, 24, True, mrs.GemmConfig(16, 16, 16, 2, 4, 2, push_launch=True)),
-    (8, 2, (3, 16, 16), 1, 16, False, mrs.GemmConfig(16, 16, 8, 4, 4, 3, push_launch=True, tma_pushes=True)),
 ]
 
 
@@ -275,18 +271,15 @@ def _compile_push_sm90(world: int, config: mrs.GemmConfig, b_kn: bool) -> str:
     import triton.language as tl
 
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    push = f"tensordesc<bf16[1,1,{bm},{bn // 2}]>" if config.tma_pushes else f"tensordesc<bf16[1,{bm},{bk}]>"
     sig = {
         "a_desc": f"tensordesc<bf16[1,{bm},{bk}]>",
         "b_desc": f"tensordesc<bf16[{bk},{bn}]>" if b_kn else f"tensordesc<bf16[{bn},{bk}]>",
-        **{f"p{i}": push for i in range(mrs.MAX_PEERS)},
         "data_table": "i64", "data_offset": "i64", "data_half": "i64", "flag_table": "i64",
         "flag_offset": "i64", "flag_half": "i32", "epoch_ptr": "*i32", "k": "i32", "rows": "i32",
         "n": "i32", "pieces": "i32",
     }  # fmt: skip
     const = {"RANK": world - 1, "WORLD": world, "BM": bm, "BN": bn, "BK": bk, "GROUP_M": config.group_m,
-             "B_KN": b_kn, "DT": tl.bfloat16, "TILES_PER_PROGRAM": 8, "TMA_PUSH": config.tma_pushes,
-             "FENCE": True, "PDL": True, "pieces": 1}  # fmt: skip
+             "B_KN": b_kn, "DT": tl.bfloat16, "TILES_PER_PROGRAM": 8, "PDL": True, "pieces": 1}  # fmt: skip
     return compile_ptx(
         mrs._push_kernel, sig, const, ("epoch_ptr", "k", "rows", "n"),
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -312,11 +305,7 @@ def check_sm90_ptx() -> None:
         if config.push_launch:
             ptx = _compile_push_sm90(world, config, b_kn)
             assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, f"{what}: push kernel: no wgmma / TMA"
-            if config.tma_pushes:
-                assert "cp.async.bulk.tensor.4d.global.shared" in ptx, f"{what}: pushes not TMA stores"
-                assert "cp.async.bulk.wait_group 0" in ptx, f"{what}: flags released before the stores land"
-            else:
-                assert "st.global.v4" in ptx, f"{what}: pushes not 16-byte"
+            assert "st.global.v4" in ptx, f"{what}: pushes not 16-byte"
             released = "atom.global.sys.release" in ptx or "atom.release.sys" in ptx
             assert released, f"{what}: push kernel: flags not released at system scope"
             assert "griddepcontrol.launch_dependents" in ptx, f"{what}: the own-rows launch cannot overlap"
