@@ -249,6 +249,18 @@ def _product(a_desc, b_desc, piece, row0, n0, k_tiles,
 
 
 @triton.jit
+def _push(left, right, data_table, data_offset, dest, slot, slot_numel, piece, row0, n0, rows, n,
+          BM: tl.constexpr, BH: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+    """Store a tile's column halves (plain stores, over NVLink to a peer) into slot `slot` of rank
+    `dest`'s data buffer."""
+    base = _rank_base(data_table, dest, data_offset, DT) + slot * slot_numel
+    ptrs, mask = _tile_ptrs(base, piece, row0, n0, rows, n, BM, BH)
+    tl.store(ptrs, left.to(DT), mask=mask)
+    ptrs, mask = _tile_ptrs(base, piece, row0, n0 + BH, rows, n, BM, BH)
+    tl.store(ptrs, right.to(DT), mask=mask)
+
+
+@triton.jit
 def _announce(flag_table, dest, flag_offset, flag, value):
     """flags[flag] of rank `dest` = value, after every store this program made (release, system)."""
     tl.debug_barrier()
@@ -329,11 +341,8 @@ def _matmul_rs_kernel(
         tile_flag = m * n_tiles + j
         if dest != RANK:
             slot = (RANK - dest + WORLD) % WORLD - 1
-            base = _rank_base(data_table, dest, data_offset, DT) + slot * slot_numel
-            ptrs, mask = _tile_ptrs(base, piece, row0, n0, rows, n, BM, BH)
-            tl.store(ptrs, left.to(DT), mask=mask)
-            ptrs, mask = _tile_ptrs(base, piece, row0, n0 + BH, rows, n, BM, BH)
-            tl.store(ptrs, right.to(DT), mask=mask)
+            _push(left, right, data_table, data_offset, dest, slot, slot_numel, piece, row0, n0, rows, n,
+                  BM, BH, DT)  # fmt: skip
             pending_dest = dest
             pending_flag = slot * tiles_per_dest + tile_flag
         else:
@@ -395,11 +404,8 @@ def _push_kernel(
         n0 = j * BN
         left, right = _product(a_desc, b_desc, piece * WORLD + dest, row0, n0, k_tiles, BM, BN, BK, B_KN)
         slot = (RANK - dest + WORLD) % WORLD - 1
-        base = _rank_base(data_table, dest, data_offset, DT) + slot * slot_numel
-        ptrs, mask = _tile_ptrs(base, piece, row0, n0, rows, n, BM, BH)
-        tl.store(ptrs, left.to(DT), mask=mask)
-        ptrs, mask = _tile_ptrs(base, piece, row0, n0 + BH, rows, n, BM, BH)
-        tl.store(ptrs, right.to(DT), mask=mask)
+        _push(left, right, data_table, data_offset, dest, slot, slot_numel, piece, row0, n0, rows, n,
+              BM, BH, DT)  # fmt: skip
     # Every thread's pushes before the flags; the flags of all this program's tiles in one vector
     # release (each lane one flag), so the release waits for the pushes once.
     tl.debug_barrier()
