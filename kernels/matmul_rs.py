@@ -120,9 +120,10 @@ class GemmConfig:
     group_m: int
     num_warps: int
     num_stages: int
-    # push_launch: the peers' tiles in a launch of their own (`_push_kernel`: a static schedule whose
-    # persistent loop and K loop Triton flattens into one pipeline, so a tile's pushes overlap the next
-    # tile's loads), then this rank's own tiles in a second (`_matmul_rs_kernel` over them alone).
+    # push_launch: the peers' tiles in a launch of their own (`_matmul_rs_push_kernel`: a static
+    # schedule whose persistent loop and K loop Triton flattens into one pipeline, so a tile's pushes
+    # overlap the next tile's loads), then this rank's own tiles in a second (`_matmul_rs_kernel` over
+    # them alone).
     push_launch: bool = False
 
 
@@ -305,8 +306,9 @@ def _matmul_rs_kernel(
 ):  # fmt: skip
     """Persistent GEMM + reduce-scatter over tiles [tile_begin, tile_end) of `_tile_coords`' order
     (the whole call is [0, W * T)), claimed one by one through the zeroed int32 at `claim_ptr`; see
-    the module docstring. AFTER_PUSHES: launched (programmatic dependent launch) after `_push_kernel`,
-    which it may overlap; it waits for that launch to end before advancing the epoch."""
+    the module docstring. AFTER_PUSHES: launched (programmatic dependent launch) after
+    `_matmul_rs_push_kernel`, which it may overlap; it waits for that launch to end before advancing the
+    epoch."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     DT: tl.constexpr = out_ptr.dtype.element_ty
@@ -368,7 +370,7 @@ def _matmul_rs_kernel(
 
 
 @triton.jit
-def _push_kernel(
+def _matmul_rs_push_kernel(
     a_desc, b_desc, data_table, data_offset, data_half, flag_table, flag_offset, flag_half, epoch_ptr,
     k, rows, n, pieces,
     RANK: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -499,7 +501,7 @@ def launch(
     if pushed:
         programs = min(num_programs, peers)
         per_program = triton.next_power_of_2(triton.cdiv(peers, programs))
-        first = _push_kernel[(programs,)](
+        first = _matmul_rs_push_kernel[(programs,)](
             a_desc, b_desc, buffers.data_table, buffers.data_offset, buffers.data_half,
             buffers.flag_table, buffers.flag_offset, buffers.flag_half, buffers.epochs, k, r, n, p,
             RANK=rank, WORLD=w, BM=bm, BN=bn, BK=bk, GROUP_M=config.group_m, B_KN=b_kn,

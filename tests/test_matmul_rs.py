@@ -281,7 +281,7 @@ def _compile_push_sm90(world: int, config: mrs.GemmConfig, b_kn: bool) -> str:
     const = {"RANK": world - 1, "WORLD": world, "BM": bm, "BN": bn, "BK": bk, "GROUP_M": config.group_m,
              "B_KN": b_kn, "DT": tl.bfloat16, "TILES_PER_PROGRAM": 8, "PDL": True, "pieces": 1}  # fmt: skip
     return compile_ptx(
-        mrs._push_kernel, sig, const, ("epoch_ptr", "k", "rows", "n"),
+        mrs._matmul_rs_push_kernel, sig, const, ("epoch_ptr", "k", "rows", "n"),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
 
