@@ -12,9 +12,12 @@
 # DEADLINE (seconds from the start): no step runs past it (each step's timeout is cut to what is left, a
 # step with under a minute left is skipped), so a machine lent by the call never outlives its limit.
 # OUT: a folder that receives node-results.tar, the result files this run wrote and its logs.
-# On a lent 4-GPU machine, two calls take every step of the four-GPU run:
-#   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh tests ag rs a2a ar
-#   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh train decode
+# On a lent 4-GPU machine, calls of at most 10 minutes take the four-GPU run in three. On 4x H200
+# (2026-11-26) ag took 19 s, rs 17 s, a2a 34 s, ar 34 s, train 37 s and decode 325 s, while tests ran
+# past 7 minutes (the tensor-parallel decode tests are the long ones), so tests go last:
+#   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh ag rs a2a ar train
+#   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh decode
+#   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh tests
 #
 # Steps (N = the GPUs visible here; the comm steps need N >= 2):
 #   tests     pytest of everything marked multigpu (kernels on 2, 4 and 8 GPUs, TP, Ulysses), then of
