@@ -19,12 +19,14 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import device_name, refuse_shared_gpu, write_results
+from benchmarks.common import device_name, refuse_shared_gpu, slowest, write_results
 from model.args import ModelArgs
 from model.llama import Llama
 from parallel.checkpoint import materialize
@@ -49,6 +51,28 @@ def llama3_8b(layers: int, seq: int) -> ModelArgs:
         rope_theta=500000.0,
         max_seq_len=seq,
     )
+
+
+def queue_and_gpu_ms(step: Callable[[], None], step_s: float, samples: int = 3) -> tuple[float, float]:
+    """The host's time to queue one step and the GPU's time to run it, each the slowest rank's median
+    of `samples`: the step is queued behind a GPU sleep of twice its wall time (at ~2 GHz, the same on
+    every rank), so the host has queued all of it before the GPU starts. A step whose host time exceeds
+    its GPU time is bound by the host."""
+    cycles = int(slowest(4e9 * step_s))
+    host, gpu = [], []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        dist.barrier()
+        torch.cuda._sleep(cycles)
+        start.record()
+        queued = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - queued)
+        end.record()
+        torch.cuda.synchronize()
+        gpu.append(start.elapsed_time(end))
+    return slowest(statistics.median(host) * 1e3), slowest(statistics.median(gpu))
 
 
 def bench_path(comm: str, opts, args: ModelArgs, device: torch.device) -> dict[str, object]:
@@ -100,12 +124,17 @@ def bench_path(comm: str, opts, args: ModelArgs, device: torch.device) -> dict[s
         step()
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / opts.steps
+    timed_losses = len(losses)
+    host_ms, gpu_ms = queue_and_gpu_ms(step, seconds)
+    del losses[timed_losses:]  # the loss table holds the warm-up and timed steps only
     tokens_per_gpu = opts.batch * opts.seq * dims.dp / world / seconds
     peak = next((v for k, v in PEAK_BF16.items() if k in torch.cuda.get_device_name()), None)
     row.update(
         {
             "status": "ok",
             "step_ms": seconds * 1e3,
+            "host_ms": host_ms,
+            "gpu_ms": gpu_ms,
             "tokens_per_s_per_gpu": tokens_per_gpu,
             "mfu": tokens_per_gpu * args.training_flops_per_token(opts.seq) / peak if peak else float("nan"),
             "memory_gb": torch.cuda.max_memory_allocated() / 1e9,
@@ -181,7 +210,9 @@ def main() -> None:
         notes = (
             f"`{command.strip()}`: Llama-3-8B width, {opts.layers} layers, bf16 autocast, AdamW; mean of "
             f"{opts.steps} steps after {opts.warmup} warm-up steps, every path from the same weights on the "
-            "same tokens (max loss diff: the largest difference of a step's loss from the first path's, "
+            "same tokens; host_ms / gpu_ms: the host's time to queue one step and the GPU's time to run "
+            "it, the step queued behind a GPU sleep (host_ms above gpu_ms: the step waits on the host) "
+            "(max loss diff: the largest difference of a step's loss from the first path's, "
             f"train_tp_losses-llama3_8b-L{opts.layers}). MFU = tokens/s/GPU x model FLOPs/token / dense "
             "bf16 peak."
         )
