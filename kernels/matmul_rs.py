@@ -520,7 +520,7 @@ def launch(
         EPOCH_SLOTS=EPOCH_SLOTS, OP_ID=OP, AFTER_PUSHES=after_pushes, num_warps=config.num_warps,
         num_stages=config.num_stages, **({"launch_pdl": True} if after_pushes else {}),
     )  # fmt: skip
-    return first or own
+    return first if first is not None else own
 
 
 def grid_size(layout: ScatterLayout, config: GemmConfig, num_sms: int) -> int:

@@ -268,8 +268,6 @@ def _compile_sm90(world: int, config: mrs.GemmConfig, b_kn: bool, n_multiple_of_
 
 def _compile_push_sm90(world: int, config: mrs.GemmConfig, b_kn: bool) -> str:
     """PTX of the push kernel for sm_90, specialized as a launch does (N a multiple of 16)."""
-    import triton.language as tl
-
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     sig = {
         "a_desc": f"tensordesc<bf16[1,{bm},{bk}]>",
