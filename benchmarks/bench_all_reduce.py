@@ -25,7 +25,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import RESULTS_DIR, device_name, init_gpu_ranks, slowest, time_graph, write_results
+from kernels.all_reduce import PUSH_ALGORITHMS
 from kernels.custom_all_reduce import ALGORITHMS, CustomAllReduce, launch_config
+from kernels.symm_mem import MAX_PROGRAMS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 KiB, MiB = 1 << 10, 1 << 20
@@ -79,6 +81,7 @@ def main() -> None:
         s *= 2
 
     rows, sweep_rows = [], []
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     for nbytes in sizes:
         n = nbytes // itemsize
         torch.manual_seed(rank)
@@ -143,7 +146,10 @@ def main() -> None:
                     if algo.startswith("two_shot"):
                         vectors = -(-vectors // world)
                     need = -(-vectors // (warps * 32))
-                    for blocks_ in sorted({min(b, need) for b in (1, 2, 4, 8, 16, 32, 64, 128)}):
+                    counts = [1, 2, 4, 8, 16, 32, 64, 128]
+                    if algo in PUSH_ALGORITHMS:  # no pad barrier: one program per SM and two per SM too
+                        counts += [c for c in (sms, 2 * sms) if c <= MAX_PROGRAMS.value]
+                    for blocks_ in sorted({min(b, need) for b in counts}):
                         if need / blocks_ > 64:
                             continue
 

@@ -43,6 +43,7 @@ from kernels.all_to_all import (
     seq_to_heads,
     seq_to_heads_reference,
 )
+from kernels.symm_mem import MAX_PROGRAMS
 from report import markdown_table
 
 DIM = 128
@@ -103,9 +104,10 @@ def exchange_rows(seq: int, heads: int, world: int, rank: int, iters: int) -> li
     return rows
 
 
-def chunk_sweep(seq: int, heads: int, world: int, rank: int, iters: int) -> list[dict]:
+def launch_sweep(seq: int, heads: int, world: int, rank: int, iters: int) -> list[dict]:
     """q, k, v seq_to_heads through the launcher alone (outputs allocated once) at several pipeline
-    depths (chunks per program, 1: no pipelining): the source of TARGET_CHUNKS in kernels/all_to_all.py."""
+    depths (chunks per program, 1: no pipelining), programs per SM and warps per program: the source
+    of TARGET_CHUNKS and the launch defaults in kernels/all_to_all.py."""
     torch.manual_seed(rank)
     xs = [
         torch.randn(1, seq // world, h, DIM, device="cuda", dtype=DTYPE).transpose(1, 2)
@@ -115,13 +117,24 @@ def chunk_sweep(seq: int, heads: int, world: int, rank: int, iters: int) -> list
     _, image_bytes = image_layout([o.shape for o in outs], DTYPE.itemsize)
     buf = prepare(dist.group.WORLD, image_bytes)
     nbytes = sum(replicate_heads(x, world).numel() for x in xs) * DTYPE.itemsize * (world - 1) // world
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     rows = []
-    for chunks in (1, 2, 4, 8, 16, 32, 64):
-        run = partial(launch_all_to_all, buf, xs, outs, True, int(DEFAULT_TIMEOUT_S * 1e9), chunks=chunks)
-        ms = time_ranks(run, iters)
-        rows.append({"S": seq, "H": heads, "chunks per program": chunks, "ms": ms, "GB/s": nbytes / ms / 1e6})
-        if rank == 0:
-            print(rows[-1], flush=True)
+    for per_sm, warps in ((1, 8), (1, 4), (2, 4), (2, 8)):
+        programs = min(per_sm * sms, MAX_PROGRAMS.value)
+        for chunks in (1, 2, 4, 8, 16):
+            run = partial(
+                launch_all_to_all, buf, xs, outs, True, int(DEFAULT_TIMEOUT_S * 1e9),
+                num_warps=warps, max_programs=programs, chunks=chunks,
+            )  # fmt: skip
+            ms = time_ranks(run, iters)
+            rows.append(
+                {
+                    "S": seq, "H": heads, "programs": programs, "warps": warps, "chunks per program": chunks,
+                    "ms": ms, "GB/s": nbytes / ms / 1e6,
+                }
+            )  # fmt: skip
+            if rank == 0:
+                print(rows[-1], flush=True)
     check()
     return rows
 
@@ -187,7 +200,7 @@ def main() -> None:
     # Every head count: at few heads the rows are narrow and MIN_CHUNK_BYTES, not the depth, sets the chunks.
     sweep = []
     for heads in args.heads:
-        sweep += chunk_sweep(min(args.seqs), heads, world, rank, args.iters)
+        sweep += launch_sweep(min(args.seqs), heads, world, rank, args.iters)
     attention = attention_rows(args.attention_seq, max(args.heads), world, rank, max(5, args.iters // 3))
 
     if rank == 0:
@@ -201,7 +214,7 @@ def main() -> None:
             f"{world} benchmarks/bench_all_to_all.py"
         )
         notes += "\n\nOne Ulysses attention layer (SDPA causal, bf16):\n\n" + markdown_table(attention)
-        notes += "\nPipeline depth, q/k/v seq_to_heads, launcher only:\n\n" + markdown_table(sweep)
+        notes += "\nLaunch sweep, q/k/v seq_to_heads, launcher only:\n\n" + markdown_table(sweep)
         write_results("all_to_all", rows, notes)
     dist.barrier()
     dist.destroy_process_group()

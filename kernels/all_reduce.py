@@ -68,6 +68,7 @@ import triton.language as tl
 
 from kernels.symm_mem import (
     MAX_BLOCKS,
+    MAX_PROGRAMS,
     SymmBuffer,
     advance_epoch,
     barrier,
@@ -541,8 +542,8 @@ def launch_push_all_reduce(
         )
     if inp.data_ptr() % 16 or out.data_ptr() % 16 or buf.base_offset % 16:
         raise ValueError("inp, out and the push buffer must be 16-byte aligned")
-    if not 1 <= num_blocks <= MAX_BLOCKS.value:
-        raise ValueError(f"num_blocks must be in 1..{MAX_BLOCKS.value}, got {num_blocks}")
+    if not 1 <= num_blocks <= MAX_PROGRAMS.value:
+        raise ValueError(f"num_blocks must be in 1..{MAX_PROGRAMS.value}, got {num_blocks}")
     if nbytes == 0:
         return out
     common = (

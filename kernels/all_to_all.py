@@ -61,7 +61,7 @@ import triton.language as tl
 
 from kernels.symm_mem import (
     DEFAULT_TIMEOUT_S,
-    MAX_BLOCKS,
+    MAX_PROGRAMS,
     MAX_WORLD,
     SymmBuffer,
     advance_epoch,
@@ -79,7 +79,7 @@ SUPPORTED_WORLD_SIZES = (2, 4, 8)
 MAX_TENSORS = 3  # q, k, v
 VECTOR_BYTES = 16
 MAX_CHUNKS = tl.constexpr(64)  # chunks per program: flags per (program, source rank)
-FLAG_BYTES = tl.constexpr(MAX_BLOCKS.value * MAX_WORLD.value * MAX_CHUNKS.value * 4)
+FLAG_BYTES = tl.constexpr(MAX_PROGRAMS.value * MAX_WORLD.value * MAX_CHUNKS.value * 4)
 IMAGE_ALIGN = 256
 # The pipeline: a program's rows are cut into about TARGET_CHUNKS chunks (the last chunk's copy-out is
 # the part not hidden behind pushes), each of at least MIN_CHUNK_BYTES (every chunk costs a release of
@@ -361,7 +361,7 @@ def schedule(n_rows: int, row_bytes: int, max_programs: int, chunks: int = TARGE
             f"need positive rows, row bytes, programs and chunks, got {n_rows}, {row_bytes}, {max_programs}, "
             f"{chunks}"
         )
-    programs = min(max_programs, MAX_BLOCKS.value)
+    programs = min(max_programs, MAX_PROGRAMS.value)
     rows_per_program = -(-n_rows // programs)
     block_rows = max(-(-rows_per_program // min(chunks, MAX_CHUNKS.value)), -(-MIN_CHUNK_BYTES // row_bytes))
     block_rows = min(block_rows, n_rows)

@@ -40,7 +40,14 @@ from kernels.all_reduce import (
     launch_push_all_reduce,
     region_offset,
 )
-from kernels.symm_mem import DEFAULT_TIMEOUT_S, MAX_BLOCKS, SymmBuffer, check_status, get_symm_buffer
+from kernels.symm_mem import (
+    DEFAULT_TIMEOUT_S,
+    MAX_BLOCKS,
+    MAX_PROGRAMS,
+    SymmBuffer,
+    check_status,
+    get_symm_buffer,
+)
 
 SUPPORTED_WORLD_SIZES = (2, 4, 8)
 DEFAULT_MAX_SIZE = 32 << 20
@@ -158,7 +165,9 @@ def launch_config(algo: str, nbytes: int, world_size: int, itemsize: int) -> tup
     if algo in ("two_shot", "two_shot_push"):
         vectors = -(-vectors // world_size)
     per_step = row.num_warps * 32
-    blocks = max(1, min(row.max_blocks, MAX_BLOCKS.value, -(-vectors // per_step)))
+    # Pad barriers serve MAX_BLOCKS programs; the push kernels only read an epoch slot per program.
+    cap = MAX_PROGRAMS.value if algo in PUSH_ALGORITHMS else MAX_BLOCKS.value
+    blocks = max(1, min(row.max_blocks, cap, -(-vectors // per_step)))
     return row.num_warps, blocks
 
 

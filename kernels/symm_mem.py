@@ -18,11 +18,11 @@ Host side
 
 Device side: the barrier protocol (epochs)
 -----------------------------------------
-Every rank keeps `epoch[MAX_BLOCKS]` (int32, local) beside each buffer. A kernel's program `pid` reads
+Every rank keeps `epoch[MAX_PROGRAMS]` (int32, local) beside each buffer. A kernel's program `pid` reads
 `e = epoch[pid]` at entry; a barrier `bar` then means: write `e + 1` into flag (bar, pid, my rank) of
 every peer's signal pad (release, system scope) and wait until flag (bar, pid, r) of my own pad is
 `>= e + 1` for every rank r (acquire, bounded). At exit the programs together write `e + 1` into all
-`MAX_BLOCKS` epoch slots (`advance_epoch`), so every slot holds the number of calls made so far
+`MAX_PROGRAMS` epoch slots (`advance_epoch`), so every slot holds the number of calls made so far
 whatever grid each call used. Flags only ever grow, so pads are never reset, and the state lives on
 the device: a CUDA graph replayed any number of times, mixed with eager calls, keeps working.
 Program `pid` only synchronizes with program `pid` of the peers, so a kernel must give program `pid`
@@ -53,6 +53,9 @@ import triton.language as tl
 
 MAX_WORLD = tl.constexpr(8)  # flag stride per (barrier, program); world sizes up to 8 (one node)
 MAX_BLOCKS = tl.constexpr(128)  # programs per kernel launch that may take part in barriers (H200: 132 SMs)
+# Programs per kernel launch that may read an epoch slot: kernels without pad barriers (the push
+# all-reduce, the all-to-all) may run one program per SM or more.
+MAX_PROGRAMS = tl.constexpr(256)
 NUM_BARRIERS = tl.constexpr(2)  # distinct barrier ids per kernel
 # 8 KiB of flags; torch's default signal pad is 9216 bytes.
 PAD_INT32S = NUM_BARRIERS.value * MAX_BLOCKS.value * MAX_WORLD.value
@@ -200,7 +203,7 @@ class SymmBuffer:
     buffer_ptrs_dev: int  # device address of world_size uint64 buffer base addresses
     signal_pad_ptrs_dev: int  # device address of world_size uint64 signal pad addresses
     base_offset: int  # bytes from the handle's buffer base to `tensor`
-    epoch: torch.Tensor  # int32 [MAX_BLOCKS], local
+    epoch: torch.Tensor  # int32 [MAX_PROGRAMS], local
     status: torch.Tensor  # int32 [4]: (timed out, op id, barrier, missing rank)
 
     def view(self, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -293,7 +296,7 @@ def get_symm_buffer(
         buffer_ptrs_dev=int(handle.buffer_ptrs_dev),
         signal_pad_ptrs_dev=int(handle.signal_pad_ptrs_dev),
         base_offset=base_offset,
-        epoch=torch.zeros(MAX_BLOCKS.value, dtype=torch.int32, device=device),
+        epoch=torch.zeros(MAX_PROGRAMS.value, dtype=torch.int32, device=device),
         status=torch.zeros(4, dtype=torch.int32, device=device),
     )
     torch.cuda.synchronize()
@@ -337,9 +340,9 @@ def load_epoch(epoch_ptr, pid):
 
 @triton.jit
 def advance_epoch(epoch_ptr, pid, epoch):
-    """Every program writes epoch + 1 into its slots pid, pid + nprog, ...: all MAX_BLOCKS slots advance."""
+    """Every program writes epoch + 1 into its slots pid, pid + nprog, ...: all MAX_PROGRAMS slots advance."""
     nprog = tl.num_programs(0)
-    for j in range(pid, MAX_BLOCKS, nprog):
+    for j in range(pid, MAX_PROGRAMS, nprog):
         tl.store(epoch_ptr + j, epoch + 1)
 
 

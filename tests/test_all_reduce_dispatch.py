@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kernels import symm_mem
+from kernels.all_reduce import PUSH_ALGORITHMS
 from kernels.custom_all_reduce import (
     ALGORITHMS,
     ANY_SIZE,
@@ -19,6 +20,7 @@ from kernels.custom_all_reduce import (
 )
 from kernels.symm_mem import (
     MAX_BLOCKS,
+    MAX_PROGRAMS,
     SymmMemError,
     check_peer_access,
     check_single_node,
@@ -88,7 +90,7 @@ def test_launch_config_covers_every_size(algo: str) -> None:
         for nbytes in [16, 4 * KiB, 4 * KiB + 16, 64 * KiB, MiB, 32 * MiB, 1 << 34]:
             warps, blocks = launch_config(algo, nbytes, world, 2)
             assert warps in (1, 2, 4, 8, 16, 32)
-            assert 1 <= blocks <= MAX_BLOCKS.value
+            assert 1 <= blocks <= (MAX_PROGRAMS if algo in PUSH_ALGORITHMS else MAX_BLOCKS).value
             vectors = -(-nbytes // 16)
             if algo.startswith("two_shot"):
                 vectors = -(-vectors // world)

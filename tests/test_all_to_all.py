@@ -221,7 +221,7 @@ def test_heads_to_seq_reads_strided_inputs() -> None:
 def test_schedule_covers_rows_within_the_flags(n_rows: int, row_bytes: int, chunks: int) -> None:
     block_rows, programs = schedule(n_rows, row_bytes, 132, chunks)
     n_blocks = -(-n_rows // block_rows)
-    assert 1 <= programs <= min(128, n_blocks), "every program has a block; at most 128 programs"
+    assert 1 <= programs <= min(132, n_blocks), "every program has a block; at most one per SM"
     assert -(-n_blocks // programs) <= min(chunks, MAX_CHUNKS.value), "chunks per program fit the flags"
     assert block_rows * row_bytes >= min(MIN_CHUNK_BYTES, n_rows * row_bytes), "no tiny pipeline steps"
 
@@ -234,7 +234,7 @@ def test_issue_shapes_pipeline_on_every_program(heads: int) -> None:
         block_rows, programs = schedule(n_rows, row_bytes, 132)
         chunks = -(-n_rows // (block_rows * programs))
         capped = block_rows * row_bytes < MIN_CHUNK_BYTES + row_bytes
-        assert programs == 128 and (chunks == TARGET_CHUNKS or capped), (seq, heads, block_rows, chunks)
+        assert programs == 132 and (chunks == TARGET_CHUNKS or capped), (seq, heads, block_rows, chunks)
 
 
 def test_layout_helpers() -> None:
