@@ -75,6 +75,7 @@ from kernels.symm_mem import (
     barrier,
     bounded_spin_ptx,
     check_status,
+    eager_or_op,
     fence_async_proxy,
     get_symm_buffer,
     load_epoch,
@@ -727,12 +728,11 @@ def _resolve_group(group_name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(group_name)
 
 
-@torch.library.custom_op("weft::all_gather_matmul", mutates_args=())
-def all_gather_matmul_op(
+def _all_gather_matmul(
     a_shard: torch.Tensor, bs: list[torch.Tensor], dim: int, group_name: str
 ) -> list[torch.Tensor]:
-    """Registered op: [all_gather(a_shard, dim), a @ bs[0], a @ bs[1], ...] over the group
-    `group_name`: the kernel where `fallback_reason` allows, the reference otherwise."""
+    """[all_gather(a_shard, dim), a @ bs[0], a @ bs[1], ...] over the group `group_name`: the kernel
+    where `fallback_reason` allows, the reference otherwise (the registered op's body)."""
     check_inputs(a_shard, bs, dim)
     if not a_shard.is_cuda:
         raise ValueError(
@@ -753,6 +753,9 @@ def all_gather_matmul_op(
     return [a, *outs]
 
 
+all_gather_matmul_op = torch.library.custom_op("weft::all_gather_matmul", _all_gather_matmul, mutates_args=())
+
+
 @all_gather_matmul_op.register_fake
 def _(a_shard: torch.Tensor, bs: list[torch.Tensor], dim: int, group_name: str) -> list[torch.Tensor]:
     shape = list(a_shard.shape)
@@ -763,8 +766,10 @@ def _(a_shard: torch.Tensor, bs: list[torch.Tensor], dim: int, group_name: str) 
 def all_gather_matmul(
     a_shard: torch.Tensor, bs: Sequence[torch.Tensor], dim: int, group: dist.ProcessGroup | None = None
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(all_gather(a_shard, dim), [a @ b for b in bs]) over `group` (default: the world), through the
-    registered op weft::all_gather_matmul: what parallel/comm.py's triton path calls."""
+    """(all_gather(a_shard, dim), [a @ b for b in bs]) over `group` (default: the world): what
+    parallel/comm.py's triton path calls. torch.compile traces the registered op
+    weft::all_gather_matmul; eager calls run its body directly (see `eager_or_op`)."""
     group = group if group is not None else dist.group.WORLD
-    a, *outs = torch.ops.weft.all_gather_matmul(a_shard, list(bs), dim, group.group_name)
+    run = eager_or_op(_all_gather_matmul, torch.ops.weft.all_gather_matmul)
+    a, *outs = run(a_shard, list(bs), dim, group.group_name)
     return a, outs

@@ -53,6 +53,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -66,6 +67,7 @@ from kernels.symm_mem import (
     SymmBuffer,
     advance_epoch,
     check_status,
+    eager_or_op,
     get_symm_buffer,
     load_epoch,
     op_id,
@@ -130,30 +132,73 @@ def dest_row_offsets(
 
 
 @triton.jit
-def push_rows(
-    src_ptr, strides, dst_ptr, row0, block_rows, n_rows, seq_local, d,
+def _image_base(buf_ptrs, r, byte_offset, DT: tl.constexpr):
+    """Rank r's buffer base + byte_offset, as a 16-byte aligned pointer to DT."""
+    base = tl.load(buf_ptrs.to(tl.pointer_type(tl.uint64)) + r).to(tl.int64) + byte_offset
+    return tl.multiple_of(base.to(tl.pointer_type(DT)), 16)
+
+
+@triton.jit
+def push_tile(
+    src_ptr, strides, dst_ptr, row0, r0, block_rows, n_rows, seq_local, d,
     RANK: tl.constexpr, HEADS: tl.constexpr, REP: tl.constexpr, HEAD_DIM: tl.constexpr, VEC: tl.constexpr,
     WORLD: tl.constexpr, SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
 ):  # fmt: skip
-    """Rows [row0, row0 + block_rows) of one tensor, the segments bound for rank d: from the input to
-    their final offsets under `dst_ptr` (d's buffer image, or this rank's output when d == RANK).
-    Tiles of [TILE / COLS rows, COLS elements]; a segment's row is contiguous at the destination and
-    HEAD_DIM-contiguous at the source, moved as 16-byte vectors."""
+    """One tile of rows [row0 + r0, row0 + r0 + ROWS) of one tensor (inside the block of `block_rows`),
+    the segments bound for rank d: from the input to their final offsets under `dst_ptr` (d's buffer
+    image, or this rank's output when d == RANK). A tile is [TILE / COLS rows, COLS elements]; a
+    segment's row is contiguous at the destination and HEAD_DIM-contiguous at the source, moved as
+    16-byte vectors."""
     NCOLS: tl.constexpr = HEADS * HEAD_DIM
     COLS: tl.constexpr = triton.next_power_of_2(NCOLS)
     ROWS: tl.constexpr = max(1, TILE // COLS)
     x = tl.arange(0, COLS)
     src_cols = source_col_offsets(x, d, strides, HEADS, REP, HEAD_DIM, VEC, SEQ_TO_HEADS)
     col_ok = x < NCOLS
-    for r0 in range(0, block_rows, ROWS):
-        r = r0 + tl.arange(0, ROWS)
-        i = row0 + r
-        row_ok = (r < block_rows) & (i < n_rows)
-        src_rows = source_row_offsets(i, d, seq_local, strides, VEC, SEQ_TO_HEADS)
-        dst_rows = dest_row_offsets(i, RANK, seq_local, HEADS, HEAD_DIM, WORLD, SEQ_TO_HEADS)
-        mask = row_ok[:, None] & col_ok[None, :] if COLS != NCOLS else row_ok[:, None]
-        v = tl.load(src_ptr + (src_rows[:, None] + src_cols[None, :]), mask=mask)
-        tl.store(dst_ptr + (dst_rows[:, None] + x[None, :]), v, mask=mask)
+    r = r0 + tl.arange(0, ROWS)
+    i = row0 + r
+    row_ok = (r < block_rows) & (i < n_rows)
+    src_rows = source_row_offsets(i, d, seq_local, strides, VEC, SEQ_TO_HEADS)
+    dst_rows = dest_row_offsets(i, RANK, seq_local, HEADS, HEAD_DIM, WORLD, SEQ_TO_HEADS)
+    mask = row_ok[:, None] & col_ok[None, :] if COLS != NCOLS else row_ok[:, None]
+    v = tl.load(src_ptr + (src_rows[:, None] + src_cols[None, :]), mask=mask)
+    tl.store(dst_ptr + (dst_rows[:, None] + x[None, :]), v, mask=mask)
+
+
+@triton.jit
+def push_block(
+    ins, strides, outs, image_offsets, buf_ptrs, image, row0, block_rows, n_rows, seq_local,
+    HEADS: tl.constexpr, REPS: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, VEC: tl.constexpr, SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+):  # fmt: skip
+    """Rows [row0, row0 + block_rows) of every tensor, each segment to its destination: the peers' buffer
+    images (rank d's: `image` bytes past the address at `buf_ptrs[d]`), this rank's own segments
+    straight into `outs`. INTERLEAVE: each tile of rows goes to every destination before the
+    next tile (rank+1 first), so a program's stores spread over all peers at once and its loads
+    read whole rows; else all of the block to rank+1, then to rank+2, ..."""
+    NT: tl.constexpr = len(ins)
+    DT: tl.constexpr = outs[0].dtype.element_ty
+    for t in tl.static_range(NT):
+        tile_rows = max(1, TILE // triton.next_power_of_2(HEADS[t] * HEAD_DIM))
+        if INTERLEAVE:
+            for r0 in range(0, block_rows, tile_rows):
+                for j in tl.static_range(1, WORLD + 1):
+                    d = (RANK + j) % WORLD
+                    dst = outs[t] if j == WORLD else _image_base(buf_ptrs, d, image, DT) + image_offsets[t]
+                    push_tile(
+                        ins[t], strides[t], dst, row0, r0, block_rows, n_rows, seq_local, d,
+                        RANK, HEADS[t], REPS[t], HEAD_DIM, VEC, WORLD, SEQ_TO_HEADS, TILE,
+                    )  # fmt: skip
+        else:
+            for j in tl.static_range(1, WORLD + 1):
+                d = (RANK + j) % WORLD
+                dst = outs[t] if j == WORLD else _image_base(buf_ptrs, d, image, DT) + image_offsets[t]
+                for r0 in range(0, block_rows, tile_rows):
+                    push_tile(
+                        ins[t], strides[t], dst, row0, r0, block_rows, n_rows, seq_local, d,
+                        RANK, HEADS[t], REPS[t], HEAD_DIM, VEC, WORLD, SEQ_TO_HEADS, TILE,
+                    )  # fmt: skip
 
 
 @triton.jit
@@ -180,13 +225,6 @@ def copy_out_rows(
 
 
 @triton.jit
-def _image_base(buf_ptrs, r, byte_offset, DT: tl.constexpr):
-    """Rank r's buffer base + byte_offset, as a 16-byte aligned pointer to DT."""
-    base = tl.load(buf_ptrs.to(tl.pointer_type(tl.uint64)) + r).to(tl.int64) + byte_offset
-    return tl.multiple_of(base.to(tl.pointer_type(DT)), 16)
-
-
-@triton.jit
 def _flag_index(pid, src, chunk):
     return (pid * MAX_WORLD + src) * MAX_CHUNKS + chunk
 
@@ -198,7 +236,7 @@ def _all_to_all_kernel(
     n_rows, seq_local, block_rows, timeout_ns,
     HEADS: tl.constexpr, REPS: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     HEAD_DIM: tl.constexpr, VEC: tl.constexpr, SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
-    OP: tl.constexpr,
+    OP: tl.constexpr, INTERLEAVE: tl.constexpr,
 ):  # fmt: skip
     NT: tl.constexpr = len(ins)
     pid = tl.program_id(0)
@@ -216,20 +254,11 @@ def _all_to_all_kernel(
     peer_flags = peer_flags.to(tl.pointer_type(tl.int32))
     for k in range(n_chunks + 1):
         if k < n_chunks:
-            row0 = (k * nprog + pid) * block_rows
-            for j in tl.static_range(1, WORLD):  # rank+1 first: at any moment ranks push to different peers
-                d = (RANK + j) % WORLD
-                peer = _image_base(buf_ptrs, d, image, DT)
-                for t in tl.static_range(NT):
-                    push_rows(
-                        ins[t], strides[t], peer + image_offsets[t], row0, block_rows, n_rows, seq_local,
-                        d, RANK, HEADS[t], REPS[t], HEAD_DIM, VEC, WORLD, SEQ_TO_HEADS, TILE,
-                    )  # fmt: skip
-            for t in tl.static_range(NT):
-                push_rows(
-                    ins[t], strides[t], outs[t], row0, block_rows, n_rows, seq_local,
-                    RANK, RANK, HEADS[t], REPS[t], HEAD_DIM, VEC, WORLD, SEQ_TO_HEADS, TILE,
-                )  # fmt: skip
+            push_block(
+                ins, strides, outs, image_offsets, buf_ptrs, image, (k * nprog + pid) * block_rows,
+                block_rows, n_rows, seq_local, HEADS, REPS, RANK, WORLD, HEAD_DIM, VEC, SEQ_TO_HEADS, TILE,
+                INTERLEAVE,
+            )  # fmt: skip
         if k > 0:
             prev = (k - 1) * nprog + pid
             for j in tl.static_range(1, WORLD):
@@ -414,6 +443,7 @@ def launch_all_to_all(
     tile: int = 8192,
     max_programs: int | None = None,
     chunks: int = TARGET_CHUNKS,
+    interleave: bool = False,
 ) -> None:
     """Run the kernel: `outs` (from `new_output`) receive the exchange of `xs` (kernel-`readable`)."""
     world, rank = buf.world_size, buf.rank
@@ -456,7 +486,7 @@ def launch_all_to_all(
         n_rows, seq_local, block_rows, timeout_ns,
         HEADS=heads, REPS=reps, RANK=rank, WORLD=world, HEAD_DIM=dim, VEC=vec,
         SEQ_TO_HEADS=seq_to_heads, TILE=tile, OP=SEQ_TO_HEADS_OP if seq_to_heads else HEADS_TO_SEQ_OP,
-        num_warps=num_warps,
+        INTERLEAVE=interleave, num_warps=num_warps,
     )  # fmt: skip
 
 
@@ -588,13 +618,15 @@ def seq_to_heads(xs: Sequence[torch.Tensor], group: dist.ProcessGroup | None = N
     """Each [B, H, S/W, D] -> [B, max(H, W)/W, S, D] over `group` (default: the world), q, k and v in one
     launch: what parallel/comm.py's triton path calls."""
     group = group if group is not None else dist.group.WORLD
-    return torch.ops.weft.ulysses_seq_to_heads(list(xs), group.group_name)
+    run = eager_or_op(partial(_exchange, seq_to_heads=True), torch.ops.weft.ulysses_seq_to_heads)
+    return run(list(xs), group.group_name)
 
 
 def heads_to_seq(xs: Sequence[torch.Tensor], group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
     """Each [B, H/W, S, D] -> [B, H, S/W, D] over `group` (default: the world), in one launch."""
     group = group if group is not None else dist.group.WORLD
-    return torch.ops.weft.ulysses_heads_to_seq(list(xs), group.group_name)
+    run = eager_or_op(partial(_exchange, seq_to_heads=False), torch.ops.weft.ulysses_heads_to_seq)
+    return run(list(xs), group.group_name)
 
 
 __all__ = [

@@ -93,6 +93,7 @@ from kernels.symm_mem import (
     INTERPRETED,
     SymmBuffer,
     check_status,
+    eager_or_op,
     get_symm_buffer,
     load_epoch,
     op_id,
@@ -786,10 +787,9 @@ def _resolve_group(group_name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(group_name)
 
 
-@torch.library.custom_op("weft::matmul_reduce_scatter", mutates_args=())
-def matmul_reduce_scatter_op(a: torch.Tensor, b: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    """Registered op: reduce_scatter(a @ b, dim) (sum) over the group `group_name`: the kernel where
-    `fallback_reason` allows, the reference otherwise."""
+def _matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
+    """reduce_scatter(a @ b, dim) (sum) over the group `group_name`: the kernel where `fallback_reason`
+    allows, the reference otherwise (the registered op's body)."""
     group = _resolve_group(group_name)
     world = dist.get_world_size(group)
     check_inputs(a, b, dim, world)
@@ -807,6 +807,11 @@ def matmul_reduce_scatter_op(a: torch.Tensor, b: torch.Tensor, dim: int, group_n
     return matmul_reduce_scatter_reference(a, b, dim, group)
 
 
+matmul_reduce_scatter_op = torch.library.custom_op(
+    "weft::matmul_reduce_scatter", _matmul_reduce_scatter, mutates_args=()
+)
+
+
 @matmul_reduce_scatter_op.register_fake
 def _(a: torch.Tensor, b: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     world = _resolve_group(group_name).size()
@@ -817,7 +822,8 @@ def matmul_reduce_scatter(
     a: torch.Tensor, b: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """reduce_scatter(a @ b, dim) (sum, chunks of `dim` in rank order) over `group` (default: the
-    world), through the registered op weft::matmul_reduce_scatter: what parallel/comm.py's triton path
-    calls."""
+    world): what parallel/comm.py's triton path calls. torch.compile traces the registered op
+    weft::matmul_reduce_scatter; eager calls run its body directly (see `eager_or_op`)."""
     group = group if group is not None else dist.group.WORLD
-    return torch.ops.weft.matmul_reduce_scatter(a, b, dim, group.group_name)
+    run = eager_or_op(_matmul_reduce_scatter, torch.ops.weft.matmul_reduce_scatter)
+    return run(a, b, dim, group.group_name)

@@ -38,7 +38,7 @@ from kernels.all_to_all import (
     new_output,
     output_shape,
     prepare,
-    push_rows,
+    push_block,
     readable,
     replicate_heads,
     schedule,
@@ -85,23 +85,12 @@ def _push_kernel(
     ins, strides, outs, image_offsets, images, n_rows, seq_local, block_rows,
     HEADS: tl.constexpr, REPS: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     HEAD_DIM: tl.constexpr, VEC: tl.constexpr, SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
 ):  # fmt: skip
-    NT: tl.constexpr = len(ins)
-    row0 = tl.program_id(0) * block_rows
-    DT: tl.constexpr = outs[0].dtype.element_ty
-    for j in tl.static_range(1, WORLD):
-        d = (RANK + j) % WORLD
-        peer = tl.load(images.to(tl.pointer_type(tl.uint64)) + d).to(tl.pointer_type(DT))
-        for t in tl.static_range(NT):
-            push_rows(
-                ins[t], strides[t], peer + image_offsets[t], row0, block_rows, n_rows, seq_local, d,
-                RANK, HEADS[t], REPS[t], HEAD_DIM, VEC, WORLD, SEQ_TO_HEADS, TILE,
-            )  # fmt: skip
-    for t in tl.static_range(NT):
-        push_rows(
-            ins[t], strides[t], outs[t], row0, block_rows, n_rows, seq_local, RANK,
-            RANK, HEADS[t], REPS[t], HEAD_DIM, VEC, WORLD, SEQ_TO_HEADS, TILE,
-        )  # fmt: skip
+    push_block(
+        ins, strides, outs, image_offsets, images, 0, tl.program_id(0) * block_rows, block_rows, n_rows,
+        seq_local, HEADS, REPS, RANK, WORLD, HEAD_DIM, VEC, SEQ_TO_HEADS, TILE, INTERLEAVE,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -122,7 +111,11 @@ def _copy_out_kernel(
 
 
 def simulate(
-    per_rank: list[list[torch.Tensor]], seq_to_heads: bool, block_rows: int, tile: int = 64
+    per_rank: list[list[torch.Tensor]],
+    seq_to_heads: bool,
+    block_rows: int,
+    tile: int = 64,
+    interleave: bool = False,
 ) -> list[list[torch.Tensor]]:
     """Every rank's pushes, then every rank's copy-outs, with CPU tensors as the ranks' buffer images
     (poisoned) and outputs (poisoned): the results per rank."""
@@ -158,7 +151,7 @@ def simulate(
         strides = tuple(tuple(s // vec for s in x.stride()[:3]) for x in xs)  # in 16-byte vectors
         _push_kernel[grid](
             tuple(xs), strides, tuple(outs[rank]), tuple(offsets), table.data_ptr(), n_rows, seq_local,
-            block_rows, HEADS=heads, REPS=reps, RANK=rank, **common,
+            block_rows, HEADS=heads, REPS=reps, RANK=rank, INTERLEAVE=interleave, **common,
         )  # fmt: skip
     for rank in range(world):
         _copy_out_kernel[grid](
@@ -178,20 +171,29 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("interleave", [False, True])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_index_maps_match_the_definition(case) -> None:
+def test_index_maps_match_the_definition(case, interleave: bool) -> None:
     world, bsz, seq_local, dim, dtype, heads = case
     seq = world * seq_local
     fulls = [torch.randn(bsz, h, seq, dim).to(dtype) for h in heads]
     block_rows = 2  # several blocks per rank, the last one short when seq_local is odd
     # sequence -> heads, q, k, v in one launch; inputs are transpose views
-    outs = simulate([[seq_shard(f, r, world) for f in fulls] for r in range(world)], True, block_rows)
+    outs = simulate(
+        [[seq_shard(f, r, world) for f in fulls] for r in range(world)], True, block_rows, 64, interleave
+    )
     for rank in range(world):
         for full, out in zip(fulls, outs[rank], strict=True):
             assert torch.equal(out, expected_seq_to_heads(full, rank, world)), f"seq_to_heads rank {rank}"
     # heads -> sequence on the same shapes' transposed role, then the round trip
     head_fulls = [replicate_heads(f, world) for f in fulls]
-    back = simulate([[head_shard(f, r, world) for f in head_fulls] for r in range(world)], False, block_rows)
+    back = simulate(
+        [[head_shard(f, r, world) for f in head_fulls] for r in range(world)],
+        False,
+        block_rows,
+        64,
+        interleave,
+    )
     for rank in range(world):
         for full, out in zip(head_fulls, back[rank], strict=True):
             assert torch.equal(out, expected_heads_to_seq(full, rank, world)), f"heads_to_seq rank {rank}"
