@@ -392,15 +392,19 @@ def _correctness(rank: int, world: int) -> None:
         got = seq_to_heads(xs)
         for t, (w, g) in enumerate(zip(want, got, strict=True)):
             assert torch.equal(g, w), f"seq_to_heads case {case} tensor {t}: op != reference"
-        # The launcher itself, into poisoned outputs: on every SM, and on 8 programs (deep pipelines).
+        # The launcher itself, into poisoned outputs: on every SM, on 8 programs (deep pipelines), on two
+        # programs per SM; pushes one destination at a time and interleaved.
         _, image_bytes = image_layout([o.shape for o in want], xs[0].element_size())
-        for max_programs in (None, 8):
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        for max_programs, interleave in ((None, False), (8, False), (None, True), (8, True), (2 * sms, True)):
             outs = [new_output(o.shape, True, o).fill_(float("nan")) for o in want]
-            launch_all_to_all(prepare(group, image_bytes), xs, outs, True, 10**10, max_programs=max_programs)
+            buf = prepare(group, image_bytes)
+            launch_all_to_all(buf, xs, outs, True, 10**10, max_programs=max_programs, interleave=interleave)
             torch.cuda.synchronize()
             check(group)
             for t, (w, o) in enumerate(zip(want, outs, strict=True)):
-                assert torch.equal(o, w), f"case {case} tensor {t} on {max_programs} programs: launcher"
+                where = f"{max_programs} programs, interleave {interleave}"
+                assert torch.equal(o, w), f"case {case} tensor {t} on {where}: launcher"
         # The way back, from strided [B, H/W, S, D] views (what attention outputs and gradients may be).
         ys = [torch.randn_like(o).transpose(1, 2).contiguous().transpose(1, 2) if t else torch.randn_like(o)
               for t, o in enumerate(want)]  # fmt: skip
