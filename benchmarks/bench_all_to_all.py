@@ -106,9 +106,8 @@ def exchange_rows(seq: int, heads: int, world: int, rank: int, iters: int) -> li
 
 def launch_sweep(seq: int, heads: int, world: int, rank: int, iters: int) -> list[dict]:
     """q, k, v seq_to_heads through the launcher alone (outputs allocated once) at several pipeline
-    depths (chunks per program), programs per SM, warps per program and push orders (interleaved or
-    one destination at a time): the source of TARGET_CHUNKS and the launch defaults in
-    kernels/all_to_all.py."""
+    depths (chunks per program), programs per SM and warps per program: the source of TARGET_CHUNKS
+    and the launch defaults in kernels/all_to_all.py."""
     torch.manual_seed(rank)
     xs = [
         torch.randn(1, seq // world, h, DIM, device="cuda", dtype=DTYPE).transpose(1, 2)
@@ -120,24 +119,18 @@ def launch_sweep(seq: int, heads: int, world: int, rank: int, iters: int) -> lis
     nbytes = sum(replicate_heads(x, world).numel() for x in xs) * DTYPE.itemsize * (world - 1) // world
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     rows = []
-    for per_sm, warps, interleave in (
-        (1, 8, False),
-        (1, 16, False),
-        (1, 8, True),
-        (1, 16, True),
-        (2, 8, True),
-    ):
+    for per_sm, warps in ((1, 8), (1, 16), (2, 4), (2, 8)):
         programs = min(per_sm * sms, MAX_PROGRAMS.value)
         for chunks in (2, 4, 8, 16):
             run = partial(
                 launch_all_to_all, buf, xs, outs, True, int(DEFAULT_TIMEOUT_S * 1e9),
-                num_warps=warps, max_programs=programs, chunks=chunks, interleave=interleave,
+                num_warps=warps, max_programs=programs, chunks=chunks,
             )  # fmt: skip
             ms = time_ranks(run, iters)
             rows.append(
                 {
-                    "S": seq, "H": heads, "programs": programs, "warps": warps, "interleave": interleave,
-                    "chunks per program": chunks, "ms": ms, "GB/s": nbytes / ms / 1e6,
+                    "S": seq, "H": heads, "programs": programs, "warps": warps, "chunks per program": chunks,
+                    "ms": ms, "GB/s": nbytes / ms / 1e6,
                 }
             )  # fmt: skip
             if rank == 0:

@@ -55,20 +55,26 @@ def llama3_8b(layers: int, seq: int) -> ModelArgs:
 
 def queue_and_gpu_ms(step: Callable[[], None], step_s: float, samples: int = 3) -> tuple[float, float]:
     """The host's time to queue one step and the GPU's time to run it, each the slowest rank's median
-    of `samples`: the step is queued behind a GPU sleep of twice its wall time (at ~2 GHz, the same on
-    every rank), so the host has queued all of it before the GPU starts. A step whose host time exceeds
-    its GPU time is bound by the host."""
+    of `samples`. Host: one step queued on an idle GPU (the host waits for nothing: had the GPU been
+    slower, the host would have queued more than CUDA's launch queue holds and waited, so host_ms
+    then reads at most the GPU's time). GPU: CUDA events around one step queued behind a GPU sleep
+    of twice its wall time (at ~2 GHz, the same on every rank), so that the GPU never waits for the
+    host unless the step's launches overflow the queue while it sleeps (then gpu_ms reads at most
+    the host's time). Either way, host_ms above gpu_ms means the step is bound by the host."""
     cycles = int(slowest(4e9 * step_s))
     host, gpu = [], []
     for _ in range(samples):
+        torch.cuda.synchronize()
+        dist.barrier()
+        queued = time.perf_counter()
+        step()
+        host.append(time.perf_counter() - queued)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         dist.barrier()
         torch.cuda._sleep(cycles)
         start.record()
-        queued = time.perf_counter()
         step()
-        host.append(time.perf_counter() - queued)
         end.record()
         torch.cuda.synchronize()
         gpu.append(start.elapsed_time(end))
@@ -210,8 +216,8 @@ def main() -> None:
         notes = (
             f"`{command.strip()}`: Llama-3-8B width, {opts.layers} layers, bf16 autocast, AdamW; mean of "
             f"{opts.steps} steps after {opts.warmup} warm-up steps, every path from the same weights on the "
-            "same tokens; host_ms / gpu_ms: the host's time to queue one step and the GPU's time to run "
-            "it, the step queued behind a GPU sleep (host_ms above gpu_ms: the step waits on the host) "
+            "same tokens; host_ms: the host's time to queue one step on an idle GPU, gpu_ms: the GPU's time "
+            "to run one step queued behind a GPU sleep (host_ms above gpu_ms: the step waits on the host) "
             "(max loss diff: the largest difference of a step's loss from the first path's, "
             f"train_tp_losses-llama3_8b-L{opts.layers}). MFU = tokens/s/GPU x model FLOPs/token / dense "
             "bf16 peak."

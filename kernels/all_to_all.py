@@ -170,35 +170,22 @@ def push_block(
     ins, strides, outs, image_offsets, buf_ptrs, image, row0, block_rows, n_rows, seq_local,
     HEADS: tl.constexpr, REPS: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     HEAD_DIM: tl.constexpr, VEC: tl.constexpr, SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
-    INTERLEAVE: tl.constexpr,
 ):  # fmt: skip
     """Rows [row0, row0 + block_rows) of every tensor, each segment to its destination: the peers' buffer
-    images (rank d's: `image` bytes past the address at `buf_ptrs[d]`), this rank's own segments
-    straight into `outs`. INTERLEAVE: each tile of rows goes to every destination before the
-    next tile (rank+1 first), so a program's stores spread over all peers at once and its loads
-    read whole rows; else all of the block to rank+1, then to rank+2, ..."""
+    images (rank d's: `image` bytes past the address at `buf_ptrs[d]`), rank+1 first, so that at any
+    moment the ranks push to different peers; this rank's own segments last, straight into `outs`."""
     NT: tl.constexpr = len(ins)
     DT: tl.constexpr = outs[0].dtype.element_ty
     for t in tl.static_range(NT):
         tile_rows = max(1, TILE // triton.next_power_of_2(HEADS[t] * HEAD_DIM))
-        if INTERLEAVE:
+        for j in tl.static_range(1, WORLD + 1):
+            d = (RANK + j) % WORLD
+            dst = outs[t] if j == WORLD else _image_base(buf_ptrs, d, image, DT) + image_offsets[t]
             for r0 in range(0, block_rows, tile_rows):
-                for j in tl.static_range(1, WORLD + 1):
-                    d = (RANK + j) % WORLD
-                    dst = outs[t] if j == WORLD else _image_base(buf_ptrs, d, image, DT) + image_offsets[t]
-                    push_tile(
-                        ins[t], strides[t], dst, row0, r0, block_rows, n_rows, seq_local, d,
-                        RANK, HEADS[t], REPS[t], HEAD_DIM, VEC, WORLD, SEQ_TO_HEADS, TILE,
-                    )  # fmt: skip
-        else:
-            for j in tl.static_range(1, WORLD + 1):
-                d = (RANK + j) % WORLD
-                dst = outs[t] if j == WORLD else _image_base(buf_ptrs, d, image, DT) + image_offsets[t]
-                for r0 in range(0, block_rows, tile_rows):
-                    push_tile(
-                        ins[t], strides[t], dst, row0, r0, block_rows, n_rows, seq_local, d,
-                        RANK, HEADS[t], REPS[t], HEAD_DIM, VEC, WORLD, SEQ_TO_HEADS, TILE,
-                    )  # fmt: skip
+                push_tile(
+                    ins[t], strides[t], dst, row0, r0, block_rows, n_rows, seq_local, d,
+                    RANK, HEADS[t], REPS[t], HEAD_DIM, VEC, WORLD, SEQ_TO_HEADS, TILE,
+                )  # fmt: skip
 
 
 @triton.jit
@@ -236,7 +223,7 @@ def _all_to_all_kernel(
     n_rows, seq_local, block_rows, timeout_ns,
     HEADS: tl.constexpr, REPS: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     HEAD_DIM: tl.constexpr, VEC: tl.constexpr, SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
-    OP: tl.constexpr, INTERLEAVE: tl.constexpr,
+    OP: tl.constexpr,
 ):  # fmt: skip
     NT: tl.constexpr = len(ins)
     pid = tl.program_id(0)
@@ -257,7 +244,6 @@ def _all_to_all_kernel(
             push_block(
                 ins, strides, outs, image_offsets, buf_ptrs, image, (k * nprog + pid) * block_rows,
                 block_rows, n_rows, seq_local, HEADS, REPS, RANK, WORLD, HEAD_DIM, VEC, SEQ_TO_HEADS, TILE,
-                INTERLEAVE,
             )  # fmt: skip
         if k > 0:
             prev = (k - 1) * nprog + pid
@@ -443,7 +429,6 @@ def launch_all_to_all(
     tile: int = 8192,
     max_programs: int | None = None,
     chunks: int = TARGET_CHUNKS,
-    interleave: bool = False,
 ) -> None:
     """Run the kernel: `outs` (from `new_output`) receive the exchange of `xs` (kernel-`readable`)."""
     world, rank = buf.world_size, buf.rank
@@ -486,7 +471,7 @@ def launch_all_to_all(
         n_rows, seq_local, block_rows, timeout_ns,
         HEADS=heads, REPS=reps, RANK=rank, WORLD=world, HEAD_DIM=dim, VEC=vec,
         SEQ_TO_HEADS=seq_to_heads, TILE=tile, OP=SEQ_TO_HEADS_OP if seq_to_heads else HEADS_TO_SEQ_OP,
-        INTERLEAVE=interleave, num_warps=num_warps,
+        num_warps=num_warps,
     )  # fmt: skip
 
 

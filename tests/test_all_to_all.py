@@ -85,11 +85,10 @@ def _push_kernel(
     ins, strides, outs, image_offsets, images, n_rows, seq_local, block_rows,
     HEADS: tl.constexpr, REPS: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     HEAD_DIM: tl.constexpr, VEC: tl.constexpr, SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
-    INTERLEAVE: tl.constexpr,
 ):  # fmt: skip
     push_block(
         ins, strides, outs, image_offsets, images, 0, tl.program_id(0) * block_rows, block_rows, n_rows,
-        seq_local, HEADS, REPS, RANK, WORLD, HEAD_DIM, VEC, SEQ_TO_HEADS, TILE, INTERLEAVE,
+        seq_local, HEADS, REPS, RANK, WORLD, HEAD_DIM, VEC, SEQ_TO_HEADS, TILE,
     )  # fmt: skip
 
 
@@ -111,11 +110,7 @@ def _copy_out_kernel(
 
 
 def simulate(
-    per_rank: list[list[torch.Tensor]],
-    seq_to_heads: bool,
-    block_rows: int,
-    tile: int = 64,
-    interleave: bool = False,
+    per_rank: list[list[torch.Tensor]], seq_to_heads: bool, block_rows: int, tile: int = 64
 ) -> list[list[torch.Tensor]]:
     """Every rank's pushes, then every rank's copy-outs, with CPU tensors as the ranks' buffer images
     (poisoned) and outputs (poisoned): the results per rank."""
@@ -151,7 +146,7 @@ def simulate(
         strides = tuple(tuple(s // vec for s in x.stride()[:3]) for x in xs)  # in 16-byte vectors
         _push_kernel[grid](
             tuple(xs), strides, tuple(outs[rank]), tuple(offsets), table.data_ptr(), n_rows, seq_local,
-            block_rows, HEADS=heads, REPS=reps, RANK=rank, INTERLEAVE=interleave, **common,
+            block_rows, HEADS=heads, REPS=reps, RANK=rank, **common,
         )  # fmt: skip
     for rank in range(world):
         _copy_out_kernel[grid](
@@ -171,29 +166,20 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("interleave", [False, True])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_index_maps_match_the_definition(case, interleave: bool) -> None:
+def test_index_maps_match_the_definition(case) -> None:
     world, bsz, seq_local, dim, dtype, heads = case
     seq = world * seq_local
     fulls = [torch.randn(bsz, h, seq, dim).to(dtype) for h in heads]
     block_rows = 2  # several blocks per rank, the last one short when seq_local is odd
     # sequence -> heads, q, k, v in one launch; inputs are transpose views
-    outs = simulate(
-        [[seq_shard(f, r, world) for f in fulls] for r in range(world)], True, block_rows, 64, interleave
-    )
+    outs = simulate([[seq_shard(f, r, world) for f in fulls] for r in range(world)], True, block_rows)
     for rank in range(world):
         for full, out in zip(fulls, outs[rank], strict=True):
             assert torch.equal(out, expected_seq_to_heads(full, rank, world)), f"seq_to_heads rank {rank}"
     # heads -> sequence on the same shapes' transposed role, then the round trip
     head_fulls = [replicate_heads(f, world) for f in fulls]
-    back = simulate(
-        [[head_shard(f, r, world) for f in head_fulls] for r in range(world)],
-        False,
-        block_rows,
-        64,
-        interleave,
-    )
+    back = simulate([[head_shard(f, r, world) for f in head_fulls] for r in range(world)], False, block_rows)
     for rank in range(world):
         for full, out in zip(head_fulls, back[rank], strict=True):
             assert torch.equal(out, expected_heads_to_seq(full, rank, world)), f"heads_to_seq rank {rank}"
@@ -393,18 +379,16 @@ def _correctness(rank: int, world: int) -> None:
         for t, (w, g) in enumerate(zip(want, got, strict=True)):
             assert torch.equal(g, w), f"seq_to_heads case {case} tensor {t}: op != reference"
         # The launcher itself, into poisoned outputs: on every SM, on 8 programs (deep pipelines), on two
-        # programs per SM; pushes one destination at a time and interleaved.
+        # programs per SM.
         _, image_bytes = image_layout([o.shape for o in want], xs[0].element_size())
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        for max_programs, interleave in ((None, False), (8, False), (None, True), (8, True), (2 * sms, True)):
+        for max_programs in (None, 8, 2 * sms):
             outs = [new_output(o.shape, True, o).fill_(float("nan")) for o in want]
-            buf = prepare(group, image_bytes)
-            launch_all_to_all(buf, xs, outs, True, 10**10, max_programs=max_programs, interleave=interleave)
+            launch_all_to_all(prepare(group, image_bytes), xs, outs, True, 10**10, max_programs=max_programs)
             torch.cuda.synchronize()
             check(group)
             for t, (w, o) in enumerate(zip(want, outs, strict=True)):
-                where = f"{max_programs} programs, interleave {interleave}"
-                assert torch.equal(o, w), f"case {case} tensor {t} on {where}: launcher"
+                assert torch.equal(o, w), f"case {case} tensor {t} on {max_programs} programs: launcher"
         # The way back, from strided [B, H/W, S, D] views (what attention outputs and gradients may be).
         ys = [torch.randn_like(o).transpose(1, 2).contiguous().transpose(1, 2) if t else torch.randn_like(o)
               for t, o in enumerate(want)]  # fmt: skip
