@@ -25,12 +25,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import init_gpu_ranks, time_ranks, write_results
 from kernels.all_to_all import (
     DEFAULT_TIMEOUT_S,
+    FLAG_BYTES,
     check,
     heads_to_seq,
     heads_to_seq_reference,
@@ -39,11 +42,14 @@ from kernels.all_to_all import (
     new_output,
     output_shape,
     prepare,
+    push_block,
     replicate_heads,
+    schedule,
     seq_to_heads,
     seq_to_heads_reference,
+    vector_strides,
 )
-from kernels.symm_mem import MAX_PROGRAMS
+from kernels.symm_mem import MAX_PROGRAMS, SymmBuffer
 from report import markdown_table
 
 DIM = 128
@@ -104,10 +110,45 @@ def exchange_rows(seq: int, heads: int, world: int, rank: int, iters: int) -> li
     return rows
 
 
+@triton.jit
+def _pushes_only_kernel(
+    ins, strides, outs, image_offsets, buf_ptrs, image, n_rows, seq_local, block_rows,
+    HEADS: tl.constexpr, REPS: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, VEC: tl.constexpr, TILE: tl.constexpr,
+):  # fmt: skip
+    """The kernel's pushes (and own rows) of seq_to_heads with its chunk schedule, without the copy-out
+    and the flags: the floor of its design on this node. Writes the peers' image 0 (results unused)."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    for k in range(tl.cdiv(tl.cdiv(n_rows, block_rows) - pid, nprog)):
+        push_block(
+            ins, strides, outs, image_offsets, buf_ptrs, image, (k * nprog + pid) * block_rows, block_rows,
+            n_rows, seq_local, HEADS, REPS, RANK, WORLD, HEAD_DIM, VEC, True, TILE,
+        )  # fmt: skip
+
+
+def pushes_only(
+    buf: SymmBuffer, xs: list[torch.Tensor], outs: list[torch.Tensor], programs: int, warps: int, chunks: int
+) -> None:
+    world = buf.world_size
+    n_rows = xs[0].shape[0] * xs[0].shape[2]
+    heads = tuple(o.shape[1] for o in outs)
+    row_bytes = world * DIM * DTYPE.itemsize * sum(heads)
+    block_rows, grid = schedule(n_rows, row_bytes, programs, chunks)
+    offsets, _ = image_layout([o.shape for o in outs], DTYPE.itemsize)
+    _pushes_only_kernel[(grid,)](
+        tuple(xs), tuple(vector_strides(x) for x in xs), tuple(outs), tuple(offsets), buf.buffer_ptrs_dev,
+        buf.base_offset + FLAG_BYTES.value, n_rows, xs[0].shape[2], block_rows, HEADS=heads,
+        REPS=tuple(o.shape[1] * world // x.shape[1] for x, o in zip(xs, outs, strict=True)), RANK=buf.rank,
+        WORLD=world, HEAD_DIM=DIM, VEC=16 // DTYPE.itemsize, TILE=8192, num_warps=warps,
+    )  # fmt: skip
+
+
 def launch_sweep(seq: int, heads: int, world: int, rank: int, iters: int) -> list[dict]:
     """q, k, v seq_to_heads through the launcher alone (outputs allocated once) at several pipeline
     depths (chunks per program), programs per SM and warps per program: the source of TARGET_CHUNKS
-    and the launch defaults in kernels/all_to_all.py."""
+    and the launch defaults in kernels/all_to_all.py. Beside them the same pushes alone
+    (`pushes_only`: no copy-out, no flags), the floor of the kernel's design."""
     torch.manual_seed(rank)
     xs = [
         torch.randn(1, seq // world, h, DIM, device="cuda", dtype=DTYPE).transpose(1, 2)
@@ -119,18 +160,23 @@ def launch_sweep(seq: int, heads: int, world: int, rank: int, iters: int) -> lis
     nbytes = sum(replicate_heads(x, world).numel() for x in xs) * DTYPE.itemsize * (world - 1) // world
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     rows = []
-    for per_sm, warps in ((1, 8), (1, 16), (2, 4), (2, 8)):
+    launches = [("all-to-all", per_sm, warps) for per_sm, warps in ((1, 8), (1, 16), (2, 4), (2, 8))]
+    launches += [("pushes only", 1, 8), ("pushes only", 1, 16)]
+    for kernel, per_sm, warps in launches:
         programs = min(per_sm * sms, MAX_PROGRAMS.value)
         for chunks in (2, 4, 8, 16):
-            run = partial(
-                launch_all_to_all, buf, xs, outs, True, int(DEFAULT_TIMEOUT_S * 1e9),
-                num_warps=warps, max_programs=programs, chunks=chunks,
-            )  # fmt: skip
+            if kernel == "pushes only":
+                run = partial(pushes_only, buf, xs, outs, programs, warps, chunks)
+            else:
+                run = partial(
+                    launch_all_to_all, buf, xs, outs, True, int(DEFAULT_TIMEOUT_S * 1e9),
+                    num_warps=warps, max_programs=programs, chunks=chunks,
+                )  # fmt: skip
             ms = time_ranks(run, iters)
             rows.append(
                 {
-                    "S": seq, "H": heads, "programs": programs, "warps": warps, "chunks per program": chunks,
-                    "ms": ms, "GB/s": nbytes / ms / 1e6,
+                    "S": seq, "H": heads, "kernel": kernel, "programs": programs, "warps": warps,
+                    "chunks per program": chunks, "ms": ms, "GB/s": nbytes / ms / 1e6,
                 }
             )  # fmt: skip
             if rank == 0:
