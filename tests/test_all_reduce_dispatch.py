@@ -25,6 +25,7 @@ from kernels.symm_mem import (
     check_peer_access,
     check_single_node,
     describe_status,
+    eager_or_op,
     shares_gpu,
     size_class,
 )
@@ -114,6 +115,14 @@ def test_sizes() -> None:
         size_class(0)
     # the flags of NUM_BARRIERS x MAX_BLOCKS x MAX_WORLD fit torch's default 9216-byte signal pad
     assert symm_mem.PAD_INT32S * 4 <= 9216
+
+
+def test_eager_or_op_takes_the_registered_op_only_under_compile() -> None:
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return eager_or_op(lambda y: y + 1, lambda y: y + 2)(x)
+
+    assert step(torch.zeros(1)).item() == 1
+    assert torch.compile(step, backend="eager", fullgraph=True)(torch.zeros(1)).item() == 2
 
 
 def info(host: str, device: int, uuid: str = "") -> dict:
