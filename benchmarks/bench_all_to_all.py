@@ -130,6 +130,7 @@ def _pushes_only_kernel(
 def pushes_only(
     buf: SymmBuffer, xs: list[torch.Tensor], outs: list[torch.Tensor], programs: int, warps: int, chunks: int
 ) -> None:
+    """Launch `_pushes_only_kernel` on seq_to_heads inputs `xs` with the launcher's schedule."""
     world = buf.world_size
     n_rows = xs[0].shape[0] * xs[0].shape[2]
     heads = tuple(o.shape[1] for o in outs)
