@@ -17,19 +17,27 @@ piece (R need not be a multiple of the tile: the descriptors clip).
 
 One call (host choreography, all on the caller's stream S plus one high-priority side stream C)
 ----------------------------------------------------------------------------------------------
-    S: a_shard -> this rank's symmetric buffer
+    S: a_shard -> this rank's symmetric buffer, region x
     S: entry barrier (every peer's shard is in place)
     S: GEMM over all tiles, own rows first (read from      C: (after the barrier) for r = rank+1, ...:
-       the symmetric buffer, no wait); a peer's tile              a[rows of r, split q] <- peer r's buffer
+       the symmetric buffer, no wait); a peer's tile              a[rows of r, split q] <- peer r's region x
        waits on the flag of its rows' split                       flag(r, q) = 1   (copy engine)
                                                            C: own rows of `a` <- a_shard
-    S: wait for C; exit barrier (no peer still reads this rank's buffer when the next call overwrites it)
+    S: wait for C; under CUDA-graph capture only: exit barrier
+
+The buffer holds three regions of a shard. Eager calls alternate between regions 0 and 1 (a host
+counter per buffer, the same on every rank, as every rank makes the same calls) and need no exit
+barrier: this rank overwrites eager call n's region in eager call n + 2, after it passed the entry
+barrier of call n + 1, which every peer reaches only after its stream waited for its copies of call
+n. A captured call
+cannot know how many eager calls will precede a replay, so captured calls use region 2 and keep the
+exit barrier (no peer still reads the region when the next captured call writes it).
 
 Flags are a fresh zeroed uint32 tensor per call, written by `cuStreamWriteValue32` (eager; it fences
 before the write) or `cuMemsetD32Async` (under CUDA-graph capture, where the former cannot be
 captured); copies and flag writes are memory operations of the stream (copy engines, as PyTorch's own
 async-TP relies on), no kernel: a GEMM that owns every SM cannot starve the copies it waits for.
-The two barriers are the epoch barriers of kernels/symm_mem.py (bounded, device-side state), so eager
+The barriers are the epoch barriers of kernels/symm_mem.py (bounded, device-side state), so eager
 calls and graph replays mix.
 
 Tile schedule (the order the persistent programs walk, program i taking tiles i, i + G, ...): ranks in
@@ -90,6 +98,9 @@ MAX_WEIGHTS = 4  # weights per GEMM launch; more weights take further launches o
 TMA_ALIGN = 8  # bf16 elements per 16 bytes: K and N must be multiples (TMA row strides)
 BUFFER_TAG = "ag_matmul"
 OP = op_id("all_gather_matmul")
+REGIONS = 3  # of the symmetric buffer: two for eager calls in turn, one for captured calls
+CAPTURED_REGION = 2
+REGION_ALIGN = 256
 FLAG_WHERE_BASE = tl.constexpr(2)  # status "barrier" field of a flag wait: FLAG_WHERE_BASE + flag index
 
 
@@ -641,6 +652,29 @@ def _run_barrier(buf: SymmBuffer, timeout_ns: int) -> None:
 
 # Group name -> size classes of this op's buffers (kernels/symm_mem.py caches the buffers themselves).
 _PREPARED: dict[str, set[int]] = {}
+# (group name, buffer bytes) -> eager calls made on that buffer (region choice, `next_region`).
+_EAGER_CALLS: dict[tuple[str, int], int] = {}
+
+
+def buffer_bytes(shard_bytes: int) -> int:
+    """Bytes to ask of the buffer for shards of `shard_bytes`: three regions of whole REGION_ALIGN units."""
+    return REGIONS * -(-shard_bytes // REGION_ALIGN) * REGION_ALIGN
+
+
+def region_offset(buffer_nbytes: int, region: int) -> int:
+    """Byte offset of `region` in a buffer of `buffer_nbytes`: a third of it, fixed per buffer, so that
+    calls of every shard size that buffer serves see the same regions."""
+    return region * (buffer_nbytes // REGIONS // REGION_ALIGN * REGION_ALIGN)
+
+
+def next_region(key: tuple[str, int], capturing: bool) -> int:
+    """The region of the next call on the buffer `key` (group name, bytes): 2 under capture, else 0 and
+    1 in turn, counted per buffer on the host."""
+    if capturing:
+        return CAPTURED_REGION
+    calls = _EAGER_CALLS.get(key, 0)
+    _EAGER_CALLS[key] = calls + 1
+    return calls % 2
 
 
 def prepare(group: dist.ProcessGroup, shard_bytes: int) -> SymmBuffer:
@@ -648,7 +682,7 @@ def prepare(group: dist.ProcessGroup, shard_bytes: int) -> SymmBuffer:
     size class (collective over `group`). Before capturing a CUDA graph, make one eager call with the
     shapes the graph will use: it allocates the buffer and also compiles and loads the kernels, which
     cannot happen during a capture."""
-    buf = get_symm_buffer(group, shard_bytes, torch.uint8, tag=BUFFER_TAG)
+    buf = get_symm_buffer(group, buffer_bytes(shard_bytes), torch.uint8, tag=BUFFER_TAG)
     _PREPARED.setdefault(group.group_name, set()).add(buf.nbytes)
     return buf
 
@@ -675,14 +709,14 @@ def all_gather_matmul_kernel(
     layout = gather_layout(a_shard.shape, dim, world)
     shard = a_shard.contiguous().view(layout.pieces, layout.rows, layout.k)
     nbytes = shard.numel() * shard.element_size()
-    if torch.cuda.is_current_stream_capturing() and size_class(nbytes) not in _PREPARED.get(
-        group.group_name, ()
-    ):
+    capturing = torch.cuda.is_current_stream_capturing()
+    if capturing and size_class(buffer_bytes(nbytes)) not in _PREPARED.get(group.group_name, ()):
         raise RuntimeError(
             f"all_gather_matmul: no symmetric buffer for {nbytes}-byte shards yet, and allocating one "
             "is collective: run one eager call with these shapes before capturing the CUDA graph"
         )
     buf = prepare(group, nbytes)
+    region = region_offset(buf.nbytes, next_region((group.group_name, buf.nbytes), capturing))
     rank = buf.rank
     cfg = resolve_config(layout, bs, config)
     splits = cfg.splits
@@ -697,7 +731,7 @@ def all_gather_matmul_kernel(
     # One slot more than needed: some torch versions refuse memset32 on a tensor's last element.
     flags = torch.zeros(world * splits + 1, dtype=torch.uint32, device=device)
     a4 = a.view(layout.pieces, world, layout.rows, layout.k)
-    mine = buf.view(0, shard.numel(), shard.dtype).view_as(shard)
+    mine = buf.view(region, shard.numel(), shard.dtype).view_as(shard)
 
     mine.copy_(shard)
     _run_barrier(buf, timeout_ns)
@@ -707,9 +741,8 @@ def all_gather_matmul_kernel(
     with torch.cuda.stream(side):
         for step in range(1, world):
             src = (rank + step) % world
-            peer = buf.handle.get_buffer(
-                src, list(shard.shape), shard.dtype, storage_offset=buf.base_offset // shard.element_size()
-            )
+            start = (buf.base_offset + region) // shard.element_size()
+            peer = buf.handle.get_buffer(src, list(shard.shape), shard.dtype, storage_offset=start)
             for q, ranges in enumerate(plan):
                 for b, lo, hi in ranges:
                     a4[b, src, lo:hi].copy_(peer[b, lo:hi])
@@ -720,7 +753,8 @@ def all_gather_matmul_kernel(
     # The GEMM starts on this rank's rows (read from the symmetric buffer) while the copies run.
     run_gemms(mine, a, layout, bs, outs, flags, buf.status, rank, cfg, sm_count(device), timeout_ns)
     main.wait_stream(side)
-    _run_barrier(buf, timeout_ns)
+    if capturing:  # eager calls need no exit barrier (module docstring)
+        _run_barrier(buf, timeout_ns)
     return a, outs
 
 

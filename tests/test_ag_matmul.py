@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels import ag_matmul as ag
-from kernels.symm_mem import SymmMemTimeout
+from kernels.symm_mem import SymmMemTimeout, size_class
 from tests.multiprocess import GPU_WORLDS, TIMEOUT_TEST_S, rank_gpu, run_ranks
 from tests.sm90 import compile_ptx, run_without_interpreter
 
@@ -264,6 +264,22 @@ def test_gemm_alone_validates() -> None:
 
 
 # ------------------------------------------------------------------------------------ CPU: layout, validation
+
+
+def test_buffer_regions() -> None:
+    """Three regions per buffer, each holding a whole shard of every size the buffer serves; eager calls
+    alternate 0 and 1 per buffer, captured calls take region 2 and leave the count alone."""
+    for shard_bytes in (16, 1000, 256, 3 << 20, (3 << 20) + 48):
+        nbytes = size_class(ag.buffer_bytes(shard_bytes))
+        for smaller in (16, shard_bytes // 2 // 16 * 16 or 16, shard_bytes):
+            if size_class(ag.buffer_bytes(smaller)) == nbytes:
+                assert ag.region_offset(nbytes, 1) >= smaller, (shard_bytes, smaller)
+        assert ag.region_offset(nbytes, 2) + shard_bytes <= nbytes
+        assert ag.region_offset(nbytes, 1) % ag.REGION_ALIGN == 0
+    key = ("test-group", 1 << 20)
+    regions = [ag.next_region(key, capturing) for capturing in (False, False, True, False, True)]
+    assert regions == [0, 1, 2, 0, 2]
+    assert ag.next_region(("other", 1 << 20), False) == 0
 
 
 def test_gather_layout() -> None:
