@@ -17,26 +17,30 @@ piece (R need not be a multiple of the tile: the descriptors clip).
 
 One call (host choreography, all on the caller's stream S plus one high-priority side stream C)
 ----------------------------------------------------------------------------------------------
-    S: a_shard -> this rank's symmetric buffer, region x
-    S: entry barrier (every peer's shard is in place)
-    S: GEMM over all tiles, own rows first (read from      C: (after the barrier) for r = rank+1, ...:
-       the symmetric buffer, no wait); a peer's tile              a[rows of r, split q] <- peer r's region x
-       waits on the flag of its rows' split                       flag(r, q) = 1   (copy engine)
-                                                           C: own rows of `a` <- a_shard
+    S: GEMM over all tiles, own rows first (read       C: a_shard -> this rank's buffer, region x
+       from a_shard, no wait); a peer's tile waits      C: entry barrier (every peer's shard is in place)
+       on the flag of its rows' split                   C: for r = rank+1, ...:
+                                                               a[rows of r, split q] <- peer r's region x
+                                                               flag(r, q) = 1   (copy engine)
+                                                        C: own rows of `a` <- a_shard
     S: wait for C; under CUDA-graph capture only: exit barrier
+
+Nothing but the GEMM is on S before it: the copy-in and the entry barrier (on 4x H100 6 and 15-17 us a
+call at 4096 rows, the barrier absorbing the ranks' skew) overlap this rank's rows' tiles. The barrier is
+a one-program kernel, so the GEMM leaves it one SM (gemm_programs).
 
 The buffer holds three regions of a shard. Eager calls alternate between regions 0 and 1 (a host
 counter per buffer, the same on every rank, as every rank makes the same calls) and need no exit
 barrier: this rank overwrites eager call n's region in eager call n + 2, after it passed the entry
-barrier of call n + 1, which every peer reaches only after its stream waited for its copies of call
-n. A captured call
-cannot know how many eager calls will precede a replay, so captured calls use region 2 and keep the
-exit barrier (no peer still reads the region when the next captured call writes it).
+barrier of call n + 1 on C, which every peer reaches only after its own C finished its copies of call
+n. A captured call cannot know how many eager calls will precede a replay, so captured calls use
+region 2 and keep the exit barrier (no peer still reads the region when the next captured call writes
+it).
 
 Flags are a fresh zeroed uint32 tensor per call, written by `cuStreamWriteValue32` (eager; it fences
 before the write) or `cuMemsetD32Async` (under CUDA-graph capture, where the former cannot be
 captured); copies and flag writes are memory operations of the stream (copy engines, as PyTorch's own
-async-TP relies on), no kernel: a GEMM that owns every SM cannot starve the copies it waits for.
+async-TP relies on), no kernel: the GEMM that waits for them cannot starve them of SMs.
 The barriers are the epoch barriers of kernels/symm_mem.py (bounded, device-side state), so eager
 calls and graph replays mix.
 
@@ -464,6 +468,14 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def gemm_programs(device: torch.device) -> int:
+    """Programs of the persistent GEMM: one per SM but one. The entry barrier runs on the side stream
+    while the GEMM works through this rank's rows, and the GEMM's later tiles wait for copies that
+    follow the barrier: one SM is left free of GEMM programs (each holds more than half of an SM's
+    shared memory) so that the barrier kernel always finds one."""
+    return max(1, sm_count(device) - 1)
+
+
 def run_gemms(
     own: torch.Tensor,
     a_out: torch.Tensor,
@@ -512,7 +524,7 @@ class GemmAlone:
 
     `a` is the gathered input (dim `dim` holds the W shards in rank order), `bs` the weights as the call
     takes them; `run()` returns [a @ b for b in bs] (preallocated outputs, rewritten by every run).
-    `num_sms` (default: the device's) caps the programs per launch."""
+    `num_sms` (default: the call's, gemm_programs) caps the programs per launch."""
 
     def __init__(
         self,
@@ -534,11 +546,11 @@ class GemmAlone:
         self.layout = gather_layout(shard_shape, dim, world)
         self.a = a.contiguous()
         a4 = self.a.view(self.layout.pieces, world, self.layout.rows, self.layout.k)
-        self.own = a4[:, rank].contiguous()  # the call reads its own rows from its symmetric buffer
+        self.own = a4[:, rank].contiguous()  # the call reads its own rows from its shard
         self.bs = list(bs)
         self.rank = rank
         self.config = resolve_config(self.layout, self.bs, config)
-        self.num_sms = num_sms if num_sms is not None else sm_count(a.device)
+        self.num_sms = num_sms if num_sms is not None else gemm_programs(a.device)
         self.flags = torch.ones(world * self.config.splits + 1, dtype=torch.uint32, device=a.device)
         self.status = torch.zeros(4, dtype=torch.int32, device=a.device)
         # NaN until the kernel writes them: a config that wrote nothing would otherwise pass its check on
@@ -733,12 +745,14 @@ def all_gather_matmul_kernel(
     a4 = a.view(layout.pieces, world, layout.rows, layout.k)
     mine = buf.view(region, shard.numel(), shard.dtype).view_as(shard)
 
-    mine.copy_(shard)
-    _run_barrier(buf, timeout_ns)
-    side.wait_stream(main)  # the copies below start after the entry barrier
+    if shard.data_ptr() % 16:  # the GEMM's TMA descriptor of the own rows needs a 16-byte aligned base
+        shard = shard.clone()
+    side.wait_stream(main)  # the shard and the zeroed flags are ready
     # The copies are queued before the GEMM that waits for them, so that launches serialised by a
     # tool (CUDA_LAUNCH_BLOCKING=1, a profiler) cannot leave the GEMM spinning on copies not yet queued.
     with torch.cuda.stream(side):
+        mine.copy_(shard)
+        _run_barrier(buf, timeout_ns)  # every peer's shard is in its buffer
         for step in range(1, world):
             src = (rank + step) % world
             start = (buf.base_offset + region) // shard.element_size()
@@ -750,8 +764,9 @@ def all_gather_matmul_kernel(
         # This rank's rows of the result, last: nothing waits for them but the end of the call.
         for b in range(layout.pieces):
             a4[b, rank].copy_(shard[b])
-    # The GEMM starts on this rank's rows (read from the symmetric buffer) while the copies run.
-    run_gemms(mine, a, layout, bs, outs, flags, buf.status, rank, cfg, sm_count(device), timeout_ns)
+    # The GEMM starts at once on this rank's rows (read from the shard itself) while the side stream
+    # copies the shard in, meets the peers and pulls theirs.
+    run_gemms(shard, a, layout, bs, outs, flags, buf.status, rank, cfg, gemm_programs(device), timeout_ns)
     main.wait_stream(side)
     if capturing:  # eager calls need no exit barrier (module docstring)
         _run_barrier(buf, timeout_ns)
