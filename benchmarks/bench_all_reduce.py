@@ -141,14 +141,14 @@ def main() -> None:
         if args.sweep:
             for algo in sweep_algos:
                 best = None
-                for warps in (4, 8, 16):
+                for warps in (4, 8, 16, 32):
                     vectors = -(-nbytes // 16)
                     if algo.startswith("two_shot"):
                         vectors = -(-vectors // world)
                     need = -(-vectors // (warps * 32))
                     counts = [1, 2, 4, 8, 16, 32, 64, 128]
                     if algo in PUSH_ALGORITHMS:  # no pad barrier: one program per SM and two per SM too
-                        counts += [c for c in (sms, 2 * sms) if c <= MAX_PROGRAMS.value]
+                        counts += [c for c in (sms, 2 * sms, MAX_PROGRAMS.value) if c <= MAX_PROGRAMS.value]
                     for blocks_ in sorted({min(b, need) for b in counts}):
                         if need / blocks_ > 64:
                             continue

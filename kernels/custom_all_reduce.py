@@ -112,8 +112,11 @@ LAUNCH: dict[str, tuple[LaunchRow, ...]] = {
         LaunchRow(1 * MiB, 8, 64),
         LaunchRow(1 << 62, 16, 128),
     ),
-    # Not measured yet (replace from the --sweep): one step per program (4 warps: 2 KiB) for latency,
-    # more warps and programs once there is bandwidth to fill. Two-shot rows count each rank's chunk.
+    # One step per program (4 warps: 2 KiB) for latency, more warps and programs once there is bandwidth
+    # to fill. Two-shot rows count each rank's chunk. The push kernels have no pad barrier, so their
+    # programs may outnumber the SMs: from the 4x H100 sweep of 4-32 MiB (all_reduce_large_sweep-h100-x4.md)
+    # two-shot push at 256 programs against 128: 16 MiB 86.5 us at 16 warps against 91.1, 32 MiB 162.5 us
+    # at 32 warps against 183.1 (16 warps); the smaller rows are not re-swept yet.
     "one_shot_push": (
         LaunchRow(64 * KiB, 4, 32),
         LaunchRow(1 * MiB, 8, 128),
@@ -122,7 +125,8 @@ LAUNCH: dict[str, tuple[LaunchRow, ...]] = {
     "two_shot_push": (
         LaunchRow(256 * KiB, 4, 32),
         LaunchRow(4 * MiB, 8, 128),
-        LaunchRow(1 << 62, 16, 128),
+        LaunchRow(16 * MiB, 16, 256),
+        LaunchRow(1 << 62, 32, 256),
     ),
 }
 

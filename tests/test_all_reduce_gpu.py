@@ -199,10 +199,28 @@ def timeout(rank: int, world: int) -> None:
     dist.barrier()
 
 
+def large_push(rank: int) -> None:
+    """The push kernels past 4 MiB, where the two-shot launch has more programs than SMs and 16 or 32
+    warps (LAUNCH), with push_max_size raised as the benchmark does."""
+    car = CustomAllReduce(max_size=33 << 20, push_max_size=33 << 20, tag="large-push-test")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for numel in ((8 << 20) + 8 * 5, (16 << 20) + 8 * 3):  # bf16: just past 16 and 32 MiB rows' edges
+        for algo in ("two_shot_push", "one_shot_push"):
+            torch.manual_seed(numel + rank)
+            x = with_zeros(torch.randn(numel, dtype=torch.bfloat16, device=dev), rank)
+            out = torch.full_like(x, float("nan"))
+            car.all_reduce(x, algo=algo, out=out)
+            torch.cuda.synchronize()
+            car.check()
+            check_result(out, x, f"large n={numel} {algo}")
+    check_push_buffer_reset(car, "after the large push calls")
+
+
 def run_on_rank(rank: int, world: int) -> None:
     car = CustomAllReduce(max_size=4 << 20)
     correctness(car, rank)
     graphs(car, rank)
+    large_push(rank)
     timeout(rank, world)
 
 
