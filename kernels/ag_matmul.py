@@ -25,7 +25,7 @@ One call (host choreography, all on the caller's stream S plus one high-priority
                                                         C: own rows of `a` <- a_shard
     S: wait for C; under CUDA-graph capture only: exit barrier
 
-Nothing but the GEMM is on S before it: the copy-in and the entry barrier (on 4x H100 6 and 15-17 us a
+S runs nothing before the GEMM: the copy-in and the entry barrier (on 4x H100 6 and 15-17 us a
 call at 4096 rows, the barrier absorbing the ranks' skew) overlap this rank's rows' tiles. The barrier is
 a one-program kernel, so the GEMM leaves it one SM (gemm_programs).
 
@@ -471,8 +471,8 @@ def sm_count(device: torch.device) -> int:
 def gemm_programs(device: torch.device) -> int:
     """Programs of the persistent GEMM: one per SM but one. The entry barrier runs on the side stream
     while the GEMM works through this rank's rows, and the GEMM's later tiles wait for copies that
-    follow the barrier: one SM is left free of GEMM programs (each holds more than half of an SM's
-    shared memory) so that the barrier kernel always finds one."""
+    follow the barrier: one SM is left free of GEMM programs so that the barrier kernel always finds
+    one."""
     return max(1, sm_count(device) - 1)
 
 

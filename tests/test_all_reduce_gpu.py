@@ -204,7 +204,7 @@ def large_push(rank: int) -> None:
     warps (LAUNCH), with push_max_size raised as the benchmark does."""
     car = CustomAllReduce(max_size=33 << 20, push_max_size=33 << 20, tag="large-push-test")
     dev = torch.device("cuda", torch.cuda.current_device())
-    for numel in ((8 << 20) + 8 * 5, (16 << 20) + 8 * 3):  # bf16: just past 16 and 32 MiB rows' edges
+    for numel in ((4 << 20) + 8 * 5, (16 << 20) + 8 * 3):  # bf16, 8 and 32 MiB: both rows, ragged
         for algo in ("two_shot_push", "one_shot_push"):
             torch.manual_seed(numel + rank)
             x = with_zeros(torch.randn(numel, dtype=torch.bfloat16, device=dev), rank)
