@@ -119,13 +119,14 @@ def describe(config: Any) -> str:
     return " ".join(values + options)
 
 
-def kernel_resources(kernel: Any) -> str:
-    """A compiled Triton kernel's registers per thread (and spills) and shared memory per program: what
-    decides how many of its programs an SM holds (65536 registers, 227 KiB on Hopper)."""
-    if kernel is None:
-        return ""
-    spills = f"+{kernel.n_spills} spills" if kernel.n_spills else ""
-    return f"{kernel.n_regs}{spills} {kernel.metadata.shared // 1024} KiB"
+def kernel_resources(kernels: Sequence[Any]) -> str:
+    """Compiled Triton kernels' registers per thread (and spills) and shared memory per program, in
+    launch order: what decides how many of a kernel's programs an SM holds (65536 registers, 227 KiB
+    on Hopper)."""
+    return " / ".join(
+        f"{k.n_regs}{f'+{k.n_spills} spills' if k.n_spills else ''} {k.metadata.shared // 1024} KiB"
+        for k in kernels
+    )
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -146,7 +147,7 @@ def measure_alone(
             run, used, alone = case.ours(cfg)
             row["config"] = describe(used)
             err = relative_error(run(), expected)
-            row["regs smem"] = kernel_resources(alone.kernel)
+            row["regs smem"] = kernel_resources(alone.kernels)
             if not err <= MAX_REL_ERR:
                 raise RuntimeError(f"relative error {err:.2e} against cuBLAS")
             us = time_interleaved({"cuBLAS": case.cublas, "ours": run}, iters)

@@ -85,7 +85,6 @@ from kernels.symm_mem import (
     SymmBuffer,
     advance_epoch,
     barrier,
-    bounded_spin_ptx,
     check_status,
     eager_or_op,
     fence_async_proxy,
@@ -94,6 +93,7 @@ from kernels.symm_mem import (
     op_id,
     size_class,
     wait_flag,
+    wait_flag_unbranched,
     warn_fallback,
 )
 
@@ -257,38 +257,6 @@ def _wait_rows(flag_ptr, status_ptr, where, src, timeout_ns, OP_ID: tl.constexpr
     fence_async_proxy(FENCE)
 
 
-# The bounded spin, then the async-proxy fence, then `$1` <- `$5` (the piece the caller's loads use).
-SPIN_FENCE_PASS_PTX = tl.constexpr(
-    bounded_spin_ptx(2, "        fence.proxy.async.global;\n        mov.u32 $1, $5;\n")
-)
-
-
-@triton.jit
-def _wait_rows_unbranched(flag_ptr, target, piece, status_ptr, where, src, timeout_ns, OP_ID: tl.constexpr):
-    """`_wait_rows` for the flattened loop, which Triton pipelines only without branches or CTA
-    barriers in it: every thread spins on the flag itself (acquire, system scope) until it reaches
-    `target`, bounded, then fences the async proxy, all in one asm that hands `piece` back: the TMA
-    loads that use the returned piece depend on the wait. A timeout is recorded by masked stores; once
-    the status word is set, later waits do not spin."""
-    one = tl.zeros([1], tl.int32)  # inline asm wants blocks, not scalars
-    failed = tl.load(status_ptr + one, volatile=True)
-    budget = tl.where(failed == 0, one.to(tl.int64) + timeout_ns, 0)
-    late, piece_after = tl.inline_asm_elementwise(
-        SPIN_FENCE_PASS_PTX,
-        "=r,=r,l,r,l,r",
-        [flag_ptr + one, one + target, budget, one + piece],
-        dtype=(tl.int32, tl.int32),
-        is_pure=False,
-        pack=1,
-    )
-    timed_out = (late != 0) & (failed == 0)
-    tl.store(status_ptr + 1 + one, one + OP_ID, mask=timed_out)
-    tl.store(status_ptr + 2 + one, one + where, mask=timed_out)
-    tl.store(status_ptr + 3 + one, one + src, mask=timed_out)
-    tl.atomic_xchg(status_ptr + one, one + 1, mask=timed_out)
-    return tl.max(piece_after, axis=0)
-
-
 @triton.jit
 def _tile(a_desc, a_piece, b_desc, c_desc, c_piece, row0, n0, k_tiles,
           BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, B_KN: tl.constexpr,
@@ -354,9 +322,9 @@ def _ag_matmul_kernel(
             # Every tile waits (own rows on target 0: at once), and the loads' coordinate comes out of
             # the wait, so that the pipeliner cannot issue a tile's loads before its wait.
             flag = src * SPLITS + q
-            a_piece = _wait_rows_unbranched(
+            a_piece = wait_flag_unbranched(
                 flags_ptr + flag, (src != RANK).to(tl.int32), tl.where(src != RANK, piece, a_piece),
-                status_ptr, FLAG_WHERE_BASE + flag, src, timeout_ns, OP_ID,
+                status_ptr, OP_ID, FLAG_WHERE_BASE + flag, src, timeout_ns, True,
             )  # fmt: skip
         elif src != RANK:
             flag = src * SPLITS + q
@@ -558,13 +526,14 @@ class GemmAlone:
         self.outs = [
             torch.full((*a.shape[:-1], b.shape[1]), float("nan"), dtype=a.dtype, device=a.device) for b in bs
         ]
-        self.kernel: triton.compiler.CompiledKernel | None = None  # the last run's last launch
+        self.kernels: tuple[triton.compiler.CompiledKernel, ...] = ()  # the last run's last launch
 
     def run(self) -> list[torch.Tensor]:
-        self.kernel = run_gemms(
+        last = run_gemms(
             self.own, self.a, self.layout, self.bs, self.outs, self.flags, self.status, self.rank,
             self.config, self.num_sms, int(DEFAULT_TIMEOUT_S * 1e9),
         )  # fmt: skip
+        self.kernels = (last,)
         return self.outs
 
 

@@ -20,8 +20,8 @@ tile never crosses a block (R need not be a multiple of the tile: loads clip, st
 output shard and every pushed slot are [P, R, N]. dim=0 and 2-D `a` are P = 1; the model's [B, S, K]
 with dim=1 is P = B, so no permute copy is needed for B > 1.
 
-Tile schedule (programs claim tiles in this order from a per-launch counter)
----------------------------------------------------------------------------
+Tile schedule
+-------------
 W steps of T = P * ceil(R / BM) * ceil(N / BN) tiles: step s computes the rows of destination
 (rank + 1 + s) % W, so this rank's own rows come last and, at every moment, every rank's rows are being
 computed by some peer. Inside a step the (row tile, column tile) pairs follow a group-M swizzle (GROUP_M
@@ -31,20 +31,20 @@ row tiles share their B tiles in L2); every rank uses the same order inside a st
   stored (plain stores over NVLink) into slot (rank - dest) % W - 1 of the destination's data buffer.
   When a program has pushed all its tiles it announces them: one release (system scope, it waits for
   the stores to land), writing `epoch + 1` into each tile's flag of that slot in the destination's flag
-  buffer. Nothing in this launch waits, so its static schedule needs no claims, and Triton flattens its
-  persistent loop and K loop into one pipeline: a tile's pushes drain while the next tile's loads are
-  in flight (on one H100 the GEMM alone went from 1.13 / 1.05 / 1.13 / 1.02x cuBLAS in one launch to
-  1.09 / 1.02 / 1.09 / 1.00x at the benchmark's shapes, matmul_rs_gemm-h100.md).
-* A tile of this rank's rows (the second launch, step W - 1) waits (acquire, bounded) until the W - 1
-  peers' flags of that tile reached `epoch + 1`, then adds their bf16 partials to its own fp32
-  accumulator in rank order and writes the output shard. Only this 1/W of the GEMM waits, and only on
-  peers' first launches, which never wait. The second launch's programs start only once every program
-  of the first has started (its trigger is at the start), so no resident program of any rank spins for a
-  push that a program still waiting for an SM would make, whatever the SM occupancy; its tiles are
-  claimed from an atomic counter (zeroed before the first launch, so that the second follows the first
-  directly), and it waits for the first launch to end before advancing the epoch. In the one-launch
-  form the push tiles are claimed too, and a tile's release is deferred until after the program's next
-  tile's main loop.
+  buffer. Nothing in this launch waits, so Triton flattens its persistent loop and K loop into one
+  pipeline: a tile's pushes drain while the next tile's loads are in flight (on one H100 the GEMM alone
+  went from 1.13 / 1.05 / 1.13 / 1.02x cuBLAS in one launch to 1.09 / 1.02 / 1.09 / 1.00x at the
+  benchmark's shapes, matmul_rs_gemm-h100.md).
+* A tile of this rank's rows (the second launch, step W - 1, program i taking own tiles i, i + G, ...)
+  waits (acquire, bounded) until the W - 1 peers' flags of that tile reached `epoch + 1`, then adds
+  their bf16 partials to its own fp32 accumulator and writes the output shard. The waits are spins
+  without branches, so this loop is flattened too. Only this 1/W of the GEMM waits, and only on peers'
+  first launches, which never wait. The second launch's programs start only once every program of the
+  first has started (its trigger is at the start), so no resident program of any rank spins for a push
+  that a program still waiting for an SM would make, whatever the SM occupancy; it waits for the first
+  launch to end before advancing the epoch.
+* The one-launch form (a config without `push_launch`) claims every tile from an atomic counter zeroed
+  before the launch, and defers a push tile's release until after the program's next tile's main loop.
 
 Flags are per tile and hold the epoch of the call that wrote them (`epoch` counts the calls on the
 group, kept on the device beside the flags as in kernels/symm_mem.py): they are never reset, a stale
@@ -91,7 +91,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from kernels.symm_mem import (
     DEFAULT_TIMEOUT_S,
     INTERPRETED,
+    MAX_PROGRAMS,
     SymmBuffer,
+    advance_epoch,
     check_status,
     eager_or_op,
     get_symm_buffer,
@@ -99,6 +101,7 @@ from kernels.symm_mem import (
     op_id,
     size_class,
     wait_flag,
+    wait_flag_unbranched,
     warn_fallback,
 )
 
@@ -108,7 +111,7 @@ TMA_ALIGN = 8  # bf16 elements per 16 bytes: K and N must be multiples (TMA row 
 DATA_TAG = "matmul_rs"
 FLAG_TAG = "matmul_rs_flags"
 FLAG_BUFFER_BYTES = 1 << 20
-EPOCH_SLOTS = 256  # programs per launch that may read an epoch slot (H200: 132 SMs)
+EPOCH_SLOTS = MAX_PROGRAMS.value  # programs per launch that may read an epoch slot (H200: 132 SMs)
 FLAGS_PER_HALF = (FLAG_BUFFER_BYTES // 4 - EPOCH_SLOTS) // 2
 OP = op_id("matmul_reduce_scatter")
 
@@ -283,13 +286,12 @@ def _wait_tile(flags, flag, value, status_ptr, src, timeout_ns, OP_ID: tl.conste
 @triton.jit
 def _reduce_half(part, data, slot_numel, piece, row0, n0, rows, n, out_ptr,
                  RANK: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr):  # fmt: skip
-    """out tile = the peers' pushed partials and this rank's `part`, summed in fp32 in rank order."""
+    """out tile = this rank's `part` plus the peers' pushed partials in rank order, summed in fp32 (in
+    place: no second fp32 tile in registers)."""
     ptrs, mask = _tile_ptrs(data, piece, row0, n0, rows, n, BM, BH)
-    total = tl.zeros((BM, BH), dtype=tl.float32)
+    total = part
     for src in tl.static_range(WORLD):
-        if src == RANK:
-            total += part
-        else:
+        if src != RANK:
             slot = (src - RANK + WORLD) % WORLD - 1
             # .cg: read L2, where the peers' stores landed, never a stale L1 line of an earlier call.
             total += tl.load(ptrs + slot * slot_numel, mask=mask, cache_modifier=".cg").to(tl.float32)
@@ -298,22 +300,25 @@ def _reduce_half(part, data, slot_numel, piece, row0, n0, rows, n, out_ptr,
 
 
 @triton.jit
-def _matmul_rs_kernel(
-    a_desc, b_desc, out_ptr, data_table, data_offset, data_half, flag_table, flag_offset, flag_half,
-    epoch_ptr, status_ptr, claim_ptr, timeout_ns, k, rows, n, pieces, tile_begin, tile_end,
-    RANK: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, B_KN: tl.constexpr, EPOCH_SLOTS: tl.constexpr, OP_ID: tl.constexpr,
-    AFTER_PUSHES: tl.constexpr,
-):  # fmt: skip
-    """Persistent GEMM + reduce-scatter over tiles [tile_begin, tile_end) of `_tile_coords`' order
-    (the whole call is [0, W * T)), claimed one by one through the zeroed int32 at `claim_ptr`; see
-    the module docstring. AFTER_PUSHES: launched (programmatic dependent launch) after
-    `_matmul_rs_push_kernel`, which it may overlap; it waits for that launch to end before advancing the
-    epoch."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    DT: tl.constexpr = out_ptr.dtype.element_ty
-    BH: tl.constexpr = BN // 2
+def _reduce_slices(part, data, slot_numel, piece, row0, n0, rows, n, out_ptr, RANK: tl.constexpr,
+                   WORLD: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr,
+                   SLICES: tl.constexpr):  # fmt: skip
+    """`_reduce_half` of a [BM, BW] column block in SLICES (a power of two) column slices."""
+    if SLICES == 1:
+        _reduce_half(part, data, slot_numel, piece, row0, n0, rows, n, out_ptr, RANK, WORLD, BM, BW)
+    else:
+        left, right = tl.split(tl.permute(tl.reshape(part, (BM, 2, BW // 2)), (0, 2, 1)))
+        _reduce_slices(left, data, slot_numel, piece, row0, n0, rows, n, out_ptr, RANK, WORLD, BM, BW // 2,
+                       SLICES // 2)  # fmt: skip
+        _reduce_slices(right, data, slot_numel, piece, row0, n0 + BW // 2, rows, n, out_ptr, RANK, WORLD, BM,
+                       BW // 2, SLICES // 2)  # fmt: skip
+
+
+@triton.jit
+def _call_geometry(epoch_ptr, pid, data_offset, data_half, flag_offset, flag_half, k, rows, n, pieces,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """What every launch of a call derives first: its epoch, the byte offsets of the data and flag
+    halves the call uses, N, the tile counts, a slot's elements and the K steps."""
     epoch = load_epoch(epoch_ptr, pid)
     parity = (epoch & 1).to(tl.int64)
     data_offset += parity * data_half
@@ -328,6 +333,35 @@ def _matmul_rs_kernel(
     tiles_per_dest = row_tiles * n_tiles
     slot_numel = tl.cast(pieces, tl.int64) * rows * n  # int64: slots may exceed 2**31 elements
     k_tiles = tl.cdiv(k, BK)
+    return epoch, data_offset, flag_offset, n, row_tiles_per_piece, row_tiles, n_tiles, tiles_per_dest, \
+        slot_numel, k_tiles  # fmt: skip
+
+
+@triton.jit
+def _end_call(epoch_ptr, pid, epoch, AFTER_PUSHES: tl.constexpr):
+    """Advance every epoch slot (`advance_epoch`: the next launch may use another grid). AFTER_PUSHES:
+    this is the own-rows launch, and the push launch read its epoch slots: it must have ended first."""
+    if AFTER_PUSHES:
+        gdc_wait()
+    advance_epoch(epoch_ptr, pid, epoch)
+
+
+@triton.jit
+def _matmul_rs_kernel(
+    a_desc, b_desc, out_ptr, data_table, data_offset, data_half, flag_table, flag_offset, flag_half,
+    epoch_ptr, status_ptr, claim_ptr, timeout_ns, k, rows, n, pieces, tile_begin, tile_end,
+    RANK: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GROUP_M: tl.constexpr, B_KN: tl.constexpr, OP_ID: tl.constexpr,
+):  # fmt: skip
+    """Persistent GEMM + reduce-scatter over tiles [tile_begin, tile_end) of `_tile_coords`' order
+    (the whole call is [0, W * T)), claimed one by one through the zeroed int32 at `claim_ptr`: the
+    one-launch form (a config without `push_launch`); see the module docstring."""
+    pid = tl.program_id(0)
+    DT: tl.constexpr = out_ptr.dtype.element_ty
+    BH: tl.constexpr = BN // 2
+    epoch, data_offset, flag_offset, n, row_tiles_per_piece, row_tiles, n_tiles, tiles_per_dest, slot_numel, \
+        k_tiles = _call_geometry(epoch_ptr, pid, data_offset, data_half, flag_offset, flag_half, k, rows, n,
+                                 pieces, BM, BN, BK)  # fmt: skip
     # The destination (-1: none) and flag of this program's last push, not yet announced. Tensors
     # from the start: loop-carried values keep one type.
     pending_dest = pid * 0 - 1
@@ -362,12 +396,59 @@ def _matmul_rs_kernel(
         tile = tile_begin + tl.atomic_add(claim_ptr, 1, sem="relaxed")
     if pending_dest >= 0:
         _announce(flag_table, pending_dest, flag_offset, pending_flag, epoch + 1)
-    if AFTER_PUSHES:
-        gdc_wait()  # the push launch read its epoch slots: it has ended before they advance
-    # Every slot advances (each program writes slots pid, pid + nprog, ...): the next launch may use
-    # another grid. Slot pid is written by program pid only, after its read.
-    for s in range(pid, EPOCH_SLOTS, nprog):
-        tl.store(epoch_ptr + s, epoch + 1)
+    _end_call(epoch_ptr, pid, epoch, False)
+
+
+@triton.jit
+def _matmul_rs_own_kernel(
+    a_desc, b_desc, out_ptr, data_table, data_offset, data_half, flag_table, flag_offset, flag_half,
+    epoch_ptr, status_ptr, timeout_ns, k, rows, n, pieces,
+    RANK: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    GROUP_M: tl.constexpr, B_KN: tl.constexpr, OP_ID: tl.constexpr, AFTER_PUSHES: tl.constexpr,
+    SPIN: tl.constexpr,
+):  # fmt: skip
+    """Persistent GEMM over this rank's own tiles [(W - 1) * T, W * T) of `_tile_coords`' order,
+    program i taking own tiles i, i + G, ...: each tile's product waits for the W - 1 peers' flags of
+    that tile, adds their partials and writes the output shard. SPIN (compiled): the waits are
+    unbranched spins, so that Triton flattens the loop and the next tile's loads are in flight during a
+    tile's waits and reduction; the interpreter takes the branched `_wait_tile`. Only peers' push
+    launches, which never wait, set these flags, so the static schedule cannot deadlock."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    DT: tl.constexpr = out_ptr.dtype.element_ty
+    BH: tl.constexpr = BN // 2
+    epoch, data_offset, flag_offset, n, row_tiles_per_piece, row_tiles, n_tiles, tiles_per_dest, slot_numel, \
+        k_tiles = _call_geometry(epoch_ptr, pid, data_offset, data_half, flag_offset, flag_half, k, rows, n,
+                                 pieces, BM, BN, BK)  # fmt: skip
+    flags = _rank_base(flag_table, RANK, flag_offset, tl.int32)
+    data = _rank_base(data_table, RANK, data_offset, DT)
+    first = (WORLD - 1) * tiles_per_dest
+    for tile in tl.range(first + pid, first + tiles_per_dest, nprog, flatten=True):
+        _, m, j = _tile_coords(tile, tiles_per_dest, row_tiles, n_tiles, RANK, WORLD, GROUP_M)
+        piece = m // row_tiles_per_piece
+        row0 = (m % row_tiles_per_piece) * BM
+        n0 = j * BN
+        left, right = _product(a_desc, b_desc, piece * WORLD + RANK, row0, n0, k_tiles, BM, BN, BK, B_KN)
+        # `zero` comes out of each wait and goes into the partials' addresses: a thread's loads of them
+        # depend on its own acquires of every peer's flag.
+        zero = pid * 0
+        for src in tl.static_range(WORLD):
+            if src != RANK:
+                flag = ((src - RANK + WORLD) % WORLD - 1) * tiles_per_dest + m * n_tiles + j
+                if SPIN:
+                    zero = wait_flag_unbranched(flags + flag, epoch + 1, zero, status_ptr, OP_ID, flag, src,
+                                                timeout_ns, False)  # fmt: skip
+                else:
+                    _wait_tile(flags, flag, epoch + 1, status_ptr, src, timeout_ns, OP_ID)
+        partials = tl.multiple_of(data + zero, 16)
+        # In column slices of at most 64 (32 past 4 ranks): the peers' partials of a slice are loaded
+        # at once, so narrower slices keep the epilogue in registers.
+        SLICES: tl.constexpr = 2 if WORLD <= 4 else 4
+        _reduce_slices(left, partials, slot_numel, piece, row0, n0, rows, n, out_ptr, RANK, WORLD, BM, BH,
+                       SLICES)  # fmt: skip
+        _reduce_slices(right, partials, slot_numel, piece, row0, n0 + BH, rows, n, out_ptr, RANK, WORLD, BM,
+                       BH, SLICES)  # fmt: skip
+    _end_call(epoch_ptr, pid, epoch, AFTER_PUSHES)
 
 
 @triton.jit
@@ -388,17 +469,9 @@ def _matmul_rs_push_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     BH: tl.constexpr = BN // 2
-    epoch = load_epoch(epoch_ptr, pid)
-    parity = (epoch & 1).to(tl.int64)
-    data_offset += parity * data_half
-    flag_offset += parity * flag_half * 4
-    n = n // 8 * 8  # see _matmul_rs_kernel
-    row_tiles_per_piece = tl.cdiv(rows, BM)
-    row_tiles = pieces * row_tiles_per_piece
-    n_tiles = tl.cdiv(n, BN)
-    tiles_per_dest = row_tiles * n_tiles
-    slot_numel = tl.cast(pieces, tl.int64) * rows * n
-    k_tiles = tl.cdiv(k, BK)
+    epoch, data_offset, flag_offset, n, row_tiles_per_piece, row_tiles, n_tiles, tiles_per_dest, slot_numel, \
+        k_tiles = _call_geometry(epoch_ptr, pid, data_offset, data_half, flag_offset, flag_half, k, rows, n,
+                                 pieces, BM, BN, BK)  # fmt: skip
     total = (WORLD - 1) * tiles_per_dest
     for tile in tl.range(pid, total, nprog, flatten=True):
         dest, m, j = _tile_coords(tile, tiles_per_dest, row_tiles, n_tiles, RANK, WORLD, GROUP_M)
@@ -459,13 +532,12 @@ def launch(
     num_programs: int,
     timeout_ns: int,
     tiles: tuple[int, int] | None = None,
-) -> triton.compiler.CompiledKernel:
+) -> tuple[triton.compiler.CompiledKernel, ...]:
     """Launch the persistent kernel(s): `out` ([P, R, N], contiguous) = this rank's rows of the sum
     over ranks of `a` ([P, W, R, K], contiguous) @ `b`, each launch with at most `num_programs`
     programs. `tiles` restricts the call to a range of the schedule (default: all W * T tiles, one
     whole call); with `config.push_launch` the range is the peers' tiles [0, (W - 1) * T), the own
-    tiles [(W - 1) * T, W * T) or both. Returns the compiled kernel of the first launch (with
-    push_launch the push kernel, which runs most of the tiles)."""
+    tiles [(W - 1) * T, W * T) or both. Returns the compiled kernels, in launch order."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     p, w, r, k, n = layout.pieces, layout.world, layout.rows, layout.k, layout.n
     if tuple(a.shape) != (p, w, r, k) or not a.is_contiguous():
@@ -495,11 +567,18 @@ def launch(
         b_desc = TensorDescriptor(b, [k, n], [n, 1], [bk, bn])
     else:
         b_desc = TensorDescriptor(b.t(), [n, k], [k, 1], [bn, bk])
-    # Zeroed before the push launch: the own-rows launch must directly follow it to overlap it.
-    claims = torch.zeros(1, dtype=torch.int32, device=a.device)
-    pushed = config.push_launch and begin == 0 and peers > 0
+    if not config.push_launch:
+        claims = torch.zeros(1, dtype=torch.int32, device=a.device)
+        one = _matmul_rs_kernel[(min(num_programs, max(1, end - begin)),)](
+            a_desc, b_desc, out, buffers.data_table, buffers.data_offset, buffers.data_half,
+            buffers.flag_table, buffers.flag_offset, buffers.flag_half, buffers.epochs, buffers.status,
+            claims, timeout_ns, k, r, n, p, begin, end,
+            RANK=rank, WORLD=w, BM=bm, BN=bn, BK=bk, GROUP_M=config.group_m, B_KN=b_kn, OP_ID=OP,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )  # fmt: skip
+        return (one,)
     first = None
-    if pushed:
+    if begin == 0 and peers > 0:
         programs = min(num_programs, peers)
         per_program = triton.next_power_of_2(triton.cdiv(peers, programs))
         first = _matmul_rs_push_kernel[(programs,)](
@@ -509,19 +588,18 @@ def launch(
             DT=_TL_DTYPES[out.dtype], TILES_PER_PROGRAM=per_program, PDL=not INTERPRETED,
             num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
-        begin = peers
         if end == peers:
-            return first
-    after_pushes = pushed and not INTERPRETED
-    own = _matmul_rs_kernel[(min(num_programs, max(1, end - begin)),)](
+            return (first,)
+    after_pushes = first is not None and not INTERPRETED
+    own = _matmul_rs_own_kernel[(min(num_programs, per_dest),)](
         a_desc, b_desc, out, buffers.data_table, buffers.data_offset, buffers.data_half,
         buffers.flag_table, buffers.flag_offset, buffers.flag_half, buffers.epochs, buffers.status,
-        claims, timeout_ns, k, r, n, p, begin, end,
-        RANK=rank, WORLD=w, BM=bm, BN=bn, BK=bk, GROUP_M=config.group_m, B_KN=b_kn,
-        EPOCH_SLOTS=EPOCH_SLOTS, OP_ID=OP, AFTER_PUSHES=after_pushes, num_warps=config.num_warps,
+        timeout_ns, k, r, n, p,
+        RANK=rank, WORLD=w, BM=bm, BN=bn, BK=bk, GROUP_M=config.group_m, B_KN=b_kn, OP_ID=OP,
+        AFTER_PUSHES=after_pushes, SPIN=not INTERPRETED, num_warps=config.num_warps,
         num_stages=config.num_stages, **({"launch_pdl": True} if after_pushes else {}),
     )  # fmt: skip
-    return first if first is not None else own
+    return (own,) if first is None else (first, own)
 
 
 def grid_size(layout: ScatterLayout, config: GemmConfig, num_sms: int) -> int:
@@ -592,11 +670,11 @@ class GemmAlone:
             num_sms if num_sms is not None else torch.cuda.get_device_properties(dev).multi_processor_count
         )
         self.num_programs = grid_size(layout, self.config, num_sms)
-        self.kernel: triton.compiler.CompiledKernel | None = None  # the last run's
+        self.kernels: tuple[triton.compiler.CompiledKernel, ...] = ()  # the last run's launches
 
     def run(self) -> torch.Tensor:
         out = self.out.view(self.layout.pieces, self.layout.rows, self.layout.n)
-        self.kernel = launch(self.a, self.b, out, self.layout, self.buffers, self.rank, self.config,
+        self.kernels = launch(self.a, self.b, out, self.layout, self.buffers, self.rank, self.config,
                              self.num_programs, int(DEFAULT_TIMEOUT_S * 1e9))  # fmt: skip
         return self.out
 

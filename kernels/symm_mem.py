@@ -401,6 +401,43 @@ def _spin_until(addrs, target, timeout_ns):
     )
 
 
+# The bounded spin, then `$1` <- `$5` (a value the caller's later accesses use), with or without the
+# async-proxy fence between them.
+SPIN_PASS_PTX = tl.constexpr(bounded_spin_ptx(2, "        mov.u32 $1, $5;\n"))
+SPIN_FENCE_PASS_PTX = tl.constexpr(
+    bounded_spin_ptx(2, "        fence.proxy.async.global;\n        mov.u32 $1, $5;\n")
+)
+
+
+@triton.jit
+def wait_flag_unbranched(
+    flag_ptr, target, value, status_ptr, op, where, src, timeout_ns, FENCE: tl.constexpr
+):
+    """`wait_flag` for a flattened loop, which Triton pipelines only without branches or CTA barriers
+    in it: every thread spins on the flag itself (acquire, system scope) until it reached `target`
+    (signed difference >= 0), bounded, then (FENCE) fences the async proxy for TMA loads of what the
+    flag guards, all in one asm that hands `value` (int32) back: accesses whose address uses the
+    returned value depend on the wait. A timeout is recorded by masked stores; once the status word
+    is set, later waits do not spin."""
+    one = tl.zeros([1], tl.int32)  # inline asm wants blocks, not scalars
+    failed = tl.load(status_ptr + one, volatile=True)
+    budget = tl.where(failed == 0, one.to(tl.int64) + timeout_ns, 0)
+    late, after = tl.inline_asm_elementwise(
+        SPIN_FENCE_PASS_PTX if FENCE else SPIN_PASS_PTX,
+        "=r,=r,l,r,l,r",
+        [flag_ptr + one, one + target, budget, one + value],
+        dtype=(tl.int32, tl.int32),
+        is_pure=False,
+        pack=1,
+    )
+    timed_out = (late != 0) & (failed == 0)
+    tl.store(status_ptr + 1 + one, one + op, mask=timed_out)
+    tl.store(status_ptr + 2 + one, one + where, mask=timed_out)
+    tl.store(status_ptr + 3 + one, one + src, mask=timed_out)
+    tl.atomic_xchg(status_ptr + one, one + 1, mask=timed_out)
+    return tl.max(after, axis=0)
+
+
 @triton.jit
 def fence_async_proxy(ON: tl.constexpr):
     """Order this thread's earlier generic-proxy accesses (the acquire of a flag) before its later

@@ -12,6 +12,7 @@ runs its checks in a child process without it:
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -82,6 +83,11 @@ def ptxas_log(ptx: str) -> str:
         )
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stderr
+
+
+def spill_stores(log: str) -> int:
+    """Bytes of spill stores in a `ptxas_log` (the sum over its functions)."""
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log))
 
 
 def run_without_interpreter(module: str, function: str = "check_sm90_ptx") -> None:

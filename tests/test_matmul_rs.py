@@ -32,7 +32,7 @@ import triton.language as tl
 from kernels import matmul_rs as mrs
 from kernels.symm_mem import SymmMemTimeout
 from tests.multiprocess import GPU_WORLDS, TIMEOUT_TEST_S, rank_gpu, run_ranks
-from tests.sm90 import compile_ptx, ptxas_log, run_without_interpreter
+from tests.sm90 import compile_ptx, ptxas_log, run_without_interpreter, spill_stores
 
 # ------------------------------------------------------------------------------------ CPU: schedule
 
@@ -246,69 +246,90 @@ def test_gemm_alone_validates() -> None:
 # ------------------------------------------------------------------------------------ CPU: sm_90 build
 
 
-def _compile_sm90(world: int, config: mrs.GemmConfig, b_kn: bool, n_multiple_of_16: bool = True) -> str:
-    """PTX of the kernel for sm_90, with the signature and specialization a launch gives (Triton marks
-    an integer argument divisible by 16 when it is: N = 1000 is not)."""
+def _descriptors(config: mrs.GemmConfig, b_kn: bool) -> dict[str, str]:
     bm, bn, bk = config.block_m, config.block_n, config.block_k
-    sig = {
+    return {
         "a_desc": f"tensordesc<bf16[1,{bm},{bk}]>",
         "b_desc": f"tensordesc<bf16[{bk},{bn}]>" if b_kn else f"tensordesc<bf16[{bn},{bk}]>",
-        "out_ptr": "*bf16", "data_table": "i64", "data_offset": "i64", "data_half": "i64",
-        "flag_table": "i64", "flag_offset": "i64", "flag_half": "i32", "epoch_ptr": "*i32",
-        "status_ptr": "*i32", "claim_ptr": "*i32", "timeout_ns": "i64", "k": "i32", "rows": "i32",
-        "n": "i32", "pieces": "i32", "tile_begin": "i32", "tile_end": "i32",
-    }  # fmt: skip
-    const = {"RANK": world - 1, "WORLD": world, "BM": bm, "BN": bn, "BK": bk, "GROUP_M": config.group_m,
-             "B_KN": b_kn, "EPOCH_SLOTS": mrs.EPOCH_SLOTS, "OP_ID": 1, "pieces": 1}  # fmt: skip
-    aligned = ("out_ptr", "epoch_ptr", "status_ptr", "claim_ptr", "k", "rows") + ("n",) * n_multiple_of_16
+    }
+
+
+_STATE = {
+    "data_table": "i64", "data_offset": "i64", "data_half": "i64", "flag_table": "i64",
+    "flag_offset": "i64", "flag_half": "i32", "epoch_ptr": "*i32",
+}  # fmt: skip
+
+
+def _compile_sm90(
+    kernel, world: int, config: mrs.GemmConfig, b_kn: bool, n16: bool, args: dict, consts: dict
+) -> str:
+    """PTX of one of the module's kernels for sm_90, with the signature and specialization a launch
+    gives (Triton marks an integer argument divisible by 16 when it is: N = 1000 is not)."""
+    sig = {**_descriptors(config, b_kn), **args}
+    const = {"RANK": world - 1, "WORLD": world, "BM": config.block_m, "BN": config.block_n,
+             "BK": config.block_k, "GROUP_M": config.group_m, "B_KN": b_kn, "pieces": 1,
+             **consts}  # fmt: skip
+    aligned = [a for a in ("out_ptr", "epoch_ptr", "status_ptr", "claim_ptr", "k", "rows") if a in sig]
     return compile_ptx(
-        mrs._matmul_rs_kernel, sig, const, aligned, num_warps=config.num_warps, num_stages=config.num_stages
+        kernel, sig, const, aligned + ["n"] * n16, num_warps=config.num_warps, num_stages=config.num_stages
     )
 
 
-def _compile_push_sm90(world: int, config: mrs.GemmConfig, b_kn: bool) -> str:
-    """PTX of the push kernel for sm_90, specialized as a launch does (N a multiple of 16)."""
-    bm, bn, bk = config.block_m, config.block_n, config.block_k
-    sig = {
-        "a_desc": f"tensordesc<bf16[1,{bm},{bk}]>",
-        "b_desc": f"tensordesc<bf16[{bk},{bn}]>" if b_kn else f"tensordesc<bf16[{bn},{bk}]>",
-        "data_table": "i64", "data_offset": "i64", "data_half": "i64", "flag_table": "i64",
-        "flag_offset": "i64", "flag_half": "i32", "epoch_ptr": "*i32", "k": "i32", "rows": "i32",
-        "n": "i32", "pieces": "i32",
-    }  # fmt: skip
-    const = {"RANK": world - 1, "WORLD": world, "BM": bm, "BN": bn, "BK": bk, "GROUP_M": config.group_m,
-             "B_KN": b_kn, "DT": tl.bfloat16, "TILES_PER_PROGRAM": 8, "PDL": True, "pieces": 1}  # fmt: skip
-    return compile_ptx(
-        mrs._matmul_rs_push_kernel, sig, const, ("epoch_ptr", "k", "rows", "n"),
-        num_warps=config.num_warps, num_stages=config.num_stages,
-    )  # fmt: skip
+def _compile_one_launch(world: int, config: mrs.GemmConfig, b_kn: bool, n16: bool) -> str:
+    args = {"out_ptr": "*bf16", **_STATE, "status_ptr": "*i32", "claim_ptr": "*i32", "timeout_ns": "i64",
+            "k": "i32", "rows": "i32", "n": "i32", "pieces": "i32", "tile_begin": "i32",
+            "tile_end": "i32"}  # fmt: skip
+    return _compile_sm90(mrs._matmul_rs_kernel, world, config, b_kn, n16, args, {"OP_ID": 1})
+
+
+def _compile_push(world: int, config: mrs.GemmConfig, b_kn: bool, n16: bool) -> str:
+    args = {**_STATE, "k": "i32", "rows": "i32", "n": "i32", "pieces": "i32"}
+    consts = {"DT": tl.bfloat16, "TILES_PER_PROGRAM": 8, "PDL": True}
+    return _compile_sm90(mrs._matmul_rs_push_kernel, world, config, b_kn, n16, args, consts)
+
+
+def _compile_own(world: int, config: mrs.GemmConfig, b_kn: bool, n16: bool) -> str:
+    args = {"out_ptr": "*bf16", **_STATE, "status_ptr": "*i32", "timeout_ns": "i64", "k": "i32",
+            "rows": "i32", "n": "i32", "pieces": "i32"}  # fmt: skip
+    consts = {"OP_ID": 1, "AFTER_PUSHES": True, "SPIN": True}
+    return _compile_sm90(mrs._matmul_rs_own_kernel, world, config, b_kn, n16, args, consts)
 
 
 def check_sm90_ptx() -> None:
-    """Compile the kernel for sm_90 with the table's configs and check the PTX has what the design
-    relies on, and that every config the benchmark sweeps builds (nn.Linear layout, as the benchmark
-    runs them). Runs in a process without TRITON_INTERPRET (the interpreter replaces @triton.jit)."""
+    """Compile the kernels a config launches for sm_90, with the table's configs and every config the
+    benchmark sweeps (nn.Linear layout, as the benchmark runs them), and check the PTX has what the
+    design relies on. Runs in a process without TRITON_INTERPRET (the interpreter replaces
+    @triton.jit)."""
     from benchmarks.bench_matmul_rs import SWEEP
 
     cases = [(4, 4096, False, True), (2, 1024, True, True), (8, 8192, True, True), (4, 1000, False, False)]
     configs = [(world, mrs.pick_config(n), b_kn, n16) for world, n, b_kn, n16 in cases]
     configs += [(4, config, False, True) for config in SWEEP]
     for world, config, b_kn, n16 in configs:
-        ptx = _compile_sm90(world, config, b_kn, n16)
         what = f"world {world} {config} kn={b_kn} N%16==0: {n16}"
-        assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, f"{what}: no wgmma / TMA loads"
-        assert "st.global.v4" in ptx and "ld.global.cg.v4" in ptx, f"{what}: pushes and reads not 16-byte"
-        assert "atom.global.sys.release" in ptx or "atom.release.sys" in ptx, f"{what}: no system release"
-        assert "ld.acquire.sys" in ptx and "%globaltimer" in ptx, f"{what}: waits must be bounded acquires"
         if config.push_launch:
-            ptx = _compile_push_sm90(world, config, b_kn)
+            ptx = _compile_push(world, config, b_kn, n16)
             assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, f"{what}: push kernel: no wgmma / TMA"
             assert "st.global.v4" in ptx, f"{what}: pushes not 16-byte"
             released = "atom.global.sys.release" in ptx or "atom.release.sys" in ptx
             assert released, f"{what}: push kernel: flags not released at system scope"
             assert "griddepcontrol.launch_dependents" in ptx, f"{what}: the own-rows launch cannot overlap"
             log = ptxas_log(ptx)
-            assert "serialized" not in log and "0 bytes spill stores" in log, f"{what}: push kernel: {log}"
+            assert "serialized" not in log and spill_stores(log) == 0, f"{what}: push kernel: {log}"
+            ptx = _compile_own(world, config, b_kn, n16)
+            assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, f"{what}: own kernel: no wgmma / TMA"
+            assert "ld.global.cg.v4" in ptx, f"{what}: own kernel: partials not read in 16-byte vectors"
+            assert "ld.acquire.sys" in ptx and "%globaltimer" in ptx, f"{what}: own kernel: unbounded waits"
+            assert "griddepcontrol.wait" in ptx, f"{what}: own kernel: does not wait for the push launch"
+            log = ptxas_log(ptx)
+            assert "serialized" not in log and spill_stores(log) == 0, f"{what}: own kernel: {log}"
+        else:
+            ptx = _compile_one_launch(world, config, b_kn, n16)
+            assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, f"{what}: no wgmma / TMA loads"
+            assert "st.global.v4" in ptx and "ld.global.cg.v4" in ptx, f"{what}: pushes and reads not 16-byte"
+            released = "atom.global.sys.release" in ptx or "atom.release.sys" in ptx
+            assert released, f"{what}: no system release"
+            assert "ld.acquire.sys" in ptx and "%globaltimer" in ptx, f"{what}: unbounded waits"
 
 
 def test_kernel_compiles_for_sm90() -> None:
