@@ -10,7 +10,9 @@ heads than ranks are replicated by the exchange). Rows:
   the way back for the attention output. Inputs are the model's [B, H, S/W, D] transpose views.
 * `bare`: `all_to_all_single` on a contiguous buffer of the same bytes (no layout change).
 GB/s per rank = bytes leaving a rank / time (the (W-1)/W of the exchanged data that goes to peers).
-Every rank times every case with CUDA events (median); the figure is the slowest rank's median.
+Times are GPU time, as in training where the host queues ahead: ours, stock and bare interleaved in
+rounds, each call queued behind a GPU sleep (`time_ranks_interleaved`), CUDA events, the slowest rank's
+median; the host's time to queue one call is given beside it.
 Attention: SDPA (causal, flash) at S=32768 wrapped in Ulysses on the torch and the triton path, forward
 and forward+backward milliseconds. Rank 0 writes benchmarks/results/all_to_all-<device>.{json,md}.
 Before timing, every case checks ours == stock exactly and says so.
@@ -30,7 +32,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import init_gpu_ranks, time_ranks, write_results
+from benchmarks.common import init_gpu_ranks, time_ranks_interleaved, write_results
 from kernels.all_to_all import (
     DEFAULT_TIMEOUT_S,
     FLAG_BYTES,
@@ -82,12 +84,16 @@ def exchange_rows(seq: int, heads: int, world: int, rank: int, iters: int) -> li
         total = sum(replicate_heads(x, world).numel() for x in xs) if ours is seq_to_heads else o.numel()
         nbytes = total * o.element_size() * (world - 1) // world
         flat = torch.randn(total, device="cuda", dtype=DTYPE)
-        ms = {
-            "ours": time_ranks(lambda xs=xs, f=ours: f(xs), iters),
-            "stock": time_ranks(lambda xs=xs, f=stock: f(xs), iters),
-            "bare": time_ranks(partial(dist.all_to_all_single, torch.empty_like(flat), flat), iters),
-        }
+        times = time_ranks_interleaved(
+            {
+                "ours": lambda xs=xs, f=ours: f(xs),
+                "stock": lambda xs=xs, f=stock: f(xs),
+                "bare": partial(dist.all_to_all_single, torch.empty_like(flat), flat),
+            },
+            iters,
+        )
         check()
+        ms = {key: t.gpu_ms for key, t in times.items()}
         gbs = {key: nbytes / (t * 1e-3) / 1e9 for key, t in ms.items()}
         rows.append(
             {
@@ -102,6 +108,8 @@ def exchange_rows(seq: int, heads: int, world: int, rank: int, iters: int) -> li
                 "stock GB/s": gbs["stock"],
                 "bare a2a GB/s": gbs["bare"],
                 "stock / ours": ms["stock"] / ms["ours"],
+                "ours host us": times["ours"].host_ms * 1e3,
+                "stock host us": times["stock"].host_ms * 1e3,
                 "exact on every rank": flag.item() == 0,
             }
         )
@@ -173,7 +181,7 @@ def launch_sweep(seq: int, heads: int, world: int, rank: int, iters: int) -> lis
                     launch_all_to_all, buf, xs, outs, True, int(DEFAULT_TIMEOUT_S * 1e9),
                     num_warps=warps, max_programs=programs, chunks=chunks,
                 )  # fmt: skip
-            ms = time_ranks(run, iters)
+            ms = time_ranks_interleaved({"run": run}, iters)["run"].gpu_ms
             rows.append(
                 {
                     "S": seq, "H": heads, "kernel": kernel, "programs": programs, "warps": warps,
@@ -199,7 +207,7 @@ def attention_rows(seq: int, heads: int, world: int, rank: int, iters: int) -> l
     ]
     leaves = [b.requires_grad_() for b in base]
     grad = torch.randn(1, heads, local, DIM, device="cuda", dtype=DTYPE)
-    rows = []
+    fns = {}
     for path in ("torch", "triton"):
         attn = ulysses_attention(sdpa_attention, group, make_comm(path, group))
 
@@ -211,18 +219,21 @@ def attention_rows(seq: int, heads: int, world: int, rank: int, iters: int) -> l
             out = attn(*(t.transpose(1, 2) for t in leaves), None)
             out.backward(grad)
 
-        rows.append(
-            {
-                "S": seq,
-                "H": heads,
-                "case": f"attention layer, {path} path",
-                "fwd ms": time_ranks(forward, iters),
-                "fwd+bwd ms": time_ranks(forward_backward, iters),
-            }
-        )
-        if rank == 0:
-            print(rows[-1], flush=True)
+        fns[path, "fwd"], fns[path, "fwd+bwd"] = forward, forward_backward
+    times = time_ranks_interleaved(fns, iters)
     check()
+    rows = [
+        {
+            "S": seq,
+            "H": heads,
+            "case": f"attention layer, {path} path",
+            "fwd ms": times[path, "fwd"].gpu_ms,
+            "fwd+bwd ms": times[path, "fwd+bwd"].gpu_ms,
+        }
+        for path in ("torch", "triton")
+    ]
+    if rank == 0:
+        print(rows, flush=True)
     return rows
 
 
@@ -256,7 +267,9 @@ def main() -> None:
             "ours: kernels/all_to_all.py (SM stores into the destination's symmetric buffer at the final "
             "offset, pipelined copy-out; q, k, v in one launch); stock: permute + all_to_all_single (NCCL) "
             "+ permute; bare: all_to_all_single on a contiguous buffer of the same bytes. GB/s per rank = "
-            "bytes leaving a rank / time; ms = slowest rank's median of CUDA-event timings. Attention: SDPA "
+            "bytes leaving a rank / time; ms = GPU time, the slowest rank's median of calls queued behind a "
+            "GPU sleep, the three paths interleaved; host us: the host's time to queue one call. Attention: "
+            "SDPA "
             "causal in Ulysses on each comm path. Command: torchrun --nproc_per_node="
             f"{world} benchmarks/bench_all_to_all.py"
         )

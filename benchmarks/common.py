@@ -125,19 +125,6 @@ def slowest(value: float) -> float:
     return t.item()
 
 
-def time_ranks(fn: Callable[[], object], iters: int, reps: int = 1) -> float:
-    """The slowest rank's median milliseconds per call of `fn`, timed with CUDA events around `reps`
-    back-to-back calls (the host queues ahead, as in training) after every rank has caught up."""
-
-    def run() -> None:
-        for _ in range(reps):
-            fn()
-
-    torch.cuda.synchronize()
-    dist.barrier()
-    return slowest(time_events(run, iters=iters, warmup=3) / reps)
-
-
 # GPU cycles (~0.25 ms) a stream sleeps at least before a timed region, so that the host has queued the
 # whole region before its start event fires and the host's launch cost is not in the GPU time.
 LEAD_CYCLES = 500_000
