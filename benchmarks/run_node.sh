@@ -26,7 +26,8 @@
 #             activities of one call of ours per shape (ag_matmul_timeline-*)
 #   rs        matmul + reduce-scatter against cuBLAS + NCCL, torch's fused op and the matmul alone, and
 #             the GPU activities of one call of ours per shape (matmul_rs_timeline-*)
-#   a2a       the Ulysses all-to-all against the stock path and bare all_to_all_single
+#   a2a       the Ulysses all-to-all against the stock path and bare all_to_all_single, and the node's
+#             floor for its traffic (bench_push_floor: pushes to every peer at once, nothing else)
 #   ar        the decode all-reduce size sweep against NCCL and torch's one-/two-shot, and the push
 #             kernels' launch sweep (the source of their LAUNCH rows, not yet measured)
 #   train     tensor + sequence parallel training throughput of Llama-3-8B shapes, every comm path, and
@@ -65,7 +66,7 @@ step_command() {
     tests) echo "$PYTEST -m multigpu tests; m=\$?; $PYTEST -m 'gpu and not multigpu' tests && exit \$m" ;;
     ag) echo "${RUN[*]} benchmarks/bench_ag_matmul.py --timeline" ;;
     rs) echo "${RUN[*]} benchmarks/bench_matmul_rs.py --timeline" ;;
-    a2a) echo "${RUN[*]} benchmarks/bench_all_to_all.py" ;;
+    a2a) echo "${RUN[*]} benchmarks/bench_all_to_all.py && ${RUN[*]} benchmarks/bench_push_floor.py" ;;
     ar) echo "${RUN[*]} -m benchmarks.bench_all_reduce --sweep --sweep-algos one_shot_push,two_shot_push" ;;
     train) echo "${RUN[*]} -m benchmarks.bench_train_tp --steps 50" ;;
     cp) echo "$PY -m benchmarks.loss_curves --device cuda --dim cp --degrees$(cp_degrees) parallel.comm=triton" ;;
