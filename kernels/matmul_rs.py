@@ -132,11 +132,12 @@ class GemmConfig:
 
 
 # (largest N, config), first match. 128x256x64 / 8 warps is the wgmma-friendly Hopper tile, with 4
-# stages and the peers' tiles in a launch of their own: on one H100 the GEMM alone took 1.09-1.10x cuBLAS
-# at K = 3584-4096 and 1.00-1.02x at K = 7168-14336, against 1.13 and 1.02-1.05 in one launch
-# (benchmarks/results/matmul_rs_gemm-h100.md). Narrow outputs get 128x128 tiles so that enough tiles
-# exist to fill the SMs. Refine from `torchrun --nproc_per_node=4 benchmarks/bench_matmul_rs.py
-# --sweep`, the GEMM alone from `python -m benchmarks.bench_matmul_rs --gemm-alone --sweep` on one GPU.
+# stages and the peers' tiles and the own rows each in a flattened launch of their own: on one H100 the
+# GEMM alone takes 1.085-1.090x cuBLAS at K = 3584-4096 and 1.01-1.02x at K = 7168-14336, against 1.13
+# and 1.02-1.05 in one launch (benchmarks/results/matmul_rs_gemm-h100.md). Narrow outputs get 128x128
+# tiles so that enough tiles exist to fill the SMs. Refine from `torchrun --nproc_per_node=4
+# benchmarks/bench_matmul_rs.py --sweep`, the GEMM alone from `python -m benchmarks.bench_matmul_rs
+# --gemm-alone --sweep` on one GPU.
 CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
     (1024, GemmConfig(128, 128, 64, 8, 8, 4, push_launch=True)),
     (1 << 62, GemmConfig(128, 256, 64, 8, 8, 4, push_launch=True)),
