@@ -118,3 +118,28 @@ def test_interleaved_timing_rotates_the_order_and_times_each_call(monkeypatch: p
     timed = order[2 * 2 * reps :]  # after the warm-up: two rounds of `reps` calls of each
     firsts = [timed[i * 2 * reps] for i in range(iters)]
     assert firsts == ["a", "b", "a", "b"] and len(timed) == iters * 2 * reps
+
+
+@pytest.mark.parametrize("peers", [1, 3, 7])
+def test_push_floor_kernels_deliver_every_peer_block(peers: int) -> None:
+    """bench_push_floor's SM-store and TMA kernels put block p of the source at rows row0.. of peer p's
+    buffer and nothing elsewhere (peers simulated by CPU tensors, through the interpreter)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from benchmarks import bench_push_floor as pf
+
+    rows, cols, row0 = 128, pf.COLS, 256
+    src = torch.randn(peers * rows, cols).to(pf.DTYPE)
+    for kernel in ("store", "tma"):
+        views = [torch.zeros(4 * rows, cols, dtype=pf.DTYPE) for _ in range(peers)]
+        if kernel == "store":
+            addrs = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64)
+            pf._store_push[(3,)](src, addrs, rows, row0, PEERS=peers, ROWS=32, COLS=cols)
+        else:
+            descs = [TensorDescriptor(v, list(v.shape), [cols, 1], [64, cols]) for v in views]
+            descs += descs[:1] * (pf.MAX_PEERS - peers)
+            sd = TensorDescriptor(src, list(src.shape), [cols, 1], [64, cols])
+            pf._tma_push[(2,)](sd, *descs, rows, row0, PEERS=peers, ROWS=64)
+        for p, view in enumerate(views):
+            assert torch.equal(view[row0 : row0 + rows], src[p * rows : (p + 1) * rows]), (kernel, p)
+            assert not view[:row0].any() and not view[row0 + rows :].any(), (kernel, p)
