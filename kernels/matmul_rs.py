@@ -285,10 +285,10 @@ def _wait_tile(flags, flag, value, status_ptr, src, timeout_ns, OP_ID: tl.conste
 
 
 @triton.jit
-def _reduce_half(part, data, slot_numel, piece, row0, n0, rows, n, out_ptr,
-                 RANK: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr):  # fmt: skip
-    """out tile = this rank's `part` plus the peers' pushed partials in rank order, summed in fp32 (in
-    place: no second fp32 tile in registers)."""
+def _reduce_columns(part, data, slot_numel, piece, row0, n0, rows, n, out_ptr,
+                    RANK: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr):  # fmt: skip
+    """Output columns [n0, n0 + BH) of a row tile = this rank's `part` plus the peers' pushed partials
+    in rank order, summed in fp32 (in place: no second fp32 tile in registers)."""
     ptrs, mask = _tile_ptrs(data, piece, row0, n0, rows, n, BM, BH)
     total = part
     for src in tl.static_range(WORLD):
@@ -304,9 +304,9 @@ def _reduce_half(part, data, slot_numel, piece, row0, n0, rows, n, out_ptr,
 def _reduce_slices(part, data, slot_numel, piece, row0, n0, rows, n, out_ptr, RANK: tl.constexpr,
                    WORLD: tl.constexpr, BM: tl.constexpr, BW: tl.constexpr,
                    SLICES: tl.constexpr):  # fmt: skip
-    """`_reduce_half` of a [BM, BW] column block in SLICES (a power of two) column slices."""
+    """`_reduce_columns` of a [BM, BW] column block, in SLICES (a power of two) narrower calls."""
     if SLICES == 1:
-        _reduce_half(part, data, slot_numel, piece, row0, n0, rows, n, out_ptr, RANK, WORLD, BM, BW)
+        _reduce_columns(part, data, slot_numel, piece, row0, n0, rows, n, out_ptr, RANK, WORLD, BM, BW)
     else:
         left, right = tl.split(tl.permute(tl.reshape(part, (BM, 2, BW // 2)), (0, 2, 1)))
         _reduce_slices(left, data, slot_numel, piece, row0, n0, rows, n, out_ptr, RANK, WORLD, BM, BW // 2,
@@ -392,8 +392,9 @@ def _matmul_rs_kernel(
                     _wait_tile(flags, slot * tiles_per_dest + tile_flag, epoch + 1, status_ptr, src,
                                timeout_ns, OP_ID)  # fmt: skip
             data = _rank_base(data_table, RANK, data_offset, DT)
-            _reduce_half(left, data, slot_numel, piece, row0, n0, rows, n, out_ptr, RANK, WORLD, BM, BH)
-            _reduce_half(right, data, slot_numel, piece, row0, n0 + BH, rows, n, out_ptr, RANK, WORLD, BM, BH)
+            _reduce_columns(left, data, slot_numel, piece, row0, n0, rows, n, out_ptr, RANK, WORLD, BM, BH)
+            _reduce_columns(right, data, slot_numel, piece, row0, n0 + BH, rows, n, out_ptr, RANK, WORLD, BM,
+                            BH)  # fmt: skip
         tile = tile_begin + tl.atomic_add(claim_ptr, 1, sem="relaxed")
     if pending_dest >= 0:
         _announce(flag_table, pending_dest, flag_offset, pending_flag, epoch + 1)
