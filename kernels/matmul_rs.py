@@ -287,8 +287,8 @@ def _wait_tile(flags, flag, value, status_ptr, src, timeout_ns, OP_ID: tl.conste
 @triton.jit
 def _reduce_columns(part, data, slot_numel, piece, row0, n0, rows, n, out_ptr,
                     RANK: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr):  # fmt: skip
-    """Output columns [n0, n0 + BH) of a row tile = this rank's `part` plus the peers' pushed partials
-    in rank order, summed in fp32 (in place: no second fp32 tile in registers)."""
+    """Output columns [n0, n0 + BH) of a row tile = this rank's `part`, then the peers' pushed partials
+    in rank order, summed in fp32 into `part` (no second fp32 tile in registers)."""
     ptrs, mask = _tile_ptrs(data, piece, row0, n0, rows, n, BM, BH)
     total = part
     for src in tl.static_range(WORLD):
@@ -336,15 +336,6 @@ def _call_geometry(epoch_ptr, pid, data_offset, data_half, flag_offset, flag_hal
     k_tiles = tl.cdiv(k, BK)
     return epoch, data_offset, flag_offset, n, row_tiles_per_piece, row_tiles, n_tiles, tiles_per_dest, \
         slot_numel, k_tiles  # fmt: skip
-
-
-@triton.jit
-def _end_call(epoch_ptr, pid, epoch, AFTER_PUSHES: tl.constexpr):
-    """Advance every epoch slot (`advance_epoch`: the next launch may use another grid). AFTER_PUSHES:
-    this is the own-rows launch, and the push launch read its epoch slots: it must have ended first."""
-    if AFTER_PUSHES:
-        gdc_wait()
-    advance_epoch(epoch_ptr, pid, epoch)
 
 
 @triton.jit
@@ -398,7 +389,7 @@ def _matmul_rs_kernel(
         tile = tile_begin + tl.atomic_add(claim_ptr, 1, sem="relaxed")
     if pending_dest >= 0:
         _announce(flag_table, pending_dest, flag_offset, pending_flag, epoch + 1)
-    _end_call(epoch_ptr, pid, epoch, False)
+    advance_epoch(epoch_ptr, pid, epoch)  # every slot: the next launch may use another grid
 
 
 @triton.jit
@@ -450,7 +441,9 @@ def _matmul_rs_own_kernel(
                        SLICES)  # fmt: skip
         _reduce_slices(right, partials, slot_numel, piece, row0, n0 + BH, rows, n, out_ptr, RANK, WORLD, BM,
                        BH, SLICES)  # fmt: skip
-    _end_call(epoch_ptr, pid, epoch, AFTER_PUSHES)
+    if AFTER_PUSHES:
+        gdc_wait()  # the push launch read its epoch slots: it has ended before they advance
+    advance_epoch(epoch_ptr, pid, epoch)
 
 
 @triton.jit
