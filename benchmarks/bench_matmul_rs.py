@@ -30,12 +30,12 @@ from benchmarks import gemm_comm
 from kernels import matmul_rs as mrs
 
 SHAPES = [(8192, 3584, 4096), (16384, 7168, 8192), (4096, 4096, 7168), (16384, 14336, 8192)]
-# What else was swept (tiles 128x128, 64x256, 128x256x32, groups 4 and 16, two programs per SM, TMA
-# stores for the pushes) and lost: benchmarks/results/matmul_rs_gemm-h100.md.
+# What else was swept (tiles 128x128, 64x256, 128x256x32, two programs per SM, TMA stores for SM pushes)
+# and lost: benchmarks/results/matmul_rs_gemm-h100.md. group_m also sets the copies' chunks.
 SWEEP = [
-    mrs.GemmConfig(128, 256, 64, 8, 8, 4),
-    mrs.GemmConfig(128, 256, 64, 8, 8, 3, push_launch=True),
-    mrs.GemmConfig(128, 256, 64, 16, 8, 4, push_launch=True),
+    mrs.GemmConfig(128, 256, 64, 4, 8, 4),
+    mrs.GemmConfig(128, 256, 64, 16, 8, 4),
+    mrs.GemmConfig(128, 256, 64, 8, 8, 3),
 ]
 
 
@@ -100,8 +100,9 @@ def notes(world: int, args: argparse.Namespace) -> str:
     return (
         f"bf16 over {world} GPUs, a [M, K] on every rank (K: this rank's inner size), one weight "
         f"[N, K] used as weight.t(), output shard [M/{world}, N]. {gemm_comm.timing_note(args)} "
-        "ours: kernels/matmul_rs.py (persistent Triton GEMM pushing tiles to the peers, own rows "
-        "reduced in its epilogue); cuBLAS+NCCL: torch.matmul + reduce_scatter_tensor; torch fused: "
+        "ours: kernels/matmul_rs.py (persistent Triton GEMMs: the peers' tiles staged locally and "
+        "moved by copy engines as chunks complete, own rows reduced in the second GEMM's epilogue); "
+        "cuBLAS+NCCL: torch.matmul + reduce_scatter_tensor; torch fused: "
         "torch.ops.symm_mem.fused_matmul_reduce_scatter; cuBLAS alone: torch.matmul. Command: torchrun "
         f"--nproc_per_node={world} benchmarks/bench_matmul_rs.py{' --sweep' if args.sweep else ''}"
     )

@@ -4,12 +4,16 @@ and the reference.
     out = matmul_reduce_scatter(a, b, dim, group)  ==  reduce_scatter(a @ b, dim)   (sum)
 
 `a` holds this rank's K shard of every row; chunk d of `dim` of the summed product goes to rank d. Two
-persistent Triton GEMMs (tensor-descriptor loads, i.e. TMA on Hopper), back to back on the caller's
-stream, do everything: the first computes the peers' rows and pushes its partial tiles straight into the
-peers' symmetric buffers while it computes; the second, which may start on each SM the first leaves
-(programmatic dependent launch), finishes this rank's own rows by adding the peers' pushed tiles to its
-own accumulator. No side stream, no copy of `a` or of the weight. (A config without `push_launch` runs
-both parts in the second kernel alone, one launch.)
+persistent Triton GEMMs (tensor-descriptor loads, i.e. TMA on Hopper) run back to back on the caller's
+stream, and one copy stream per peer moves their partials with copy engines:
+* the stage launch computes the peers' rows and stores each partial tile into a local staging buffer;
+* a copy stream per peer copies each finished chunk of that peer's rows into the peer's symmetric
+  buffer, as the chunk completes, and raises the chunk's flag there;
+* the own launch, which may start on each SM the first leaves (programmatic dependent launch), finishes
+  this rank's own rows, adding the peers' copied partials to its own accumulator.
+No SM stores over NVLink: on two H100s the stores that pushed partials straight into the peers'
+buffers cost the GEMM 10-15% at K <= 4096, which copy engines take off the SMs. No copy of `a` or of the
+weight.
 
 Data layout
 -----------
@@ -17,67 +21,59 @@ Data layout
 of W blocks of R = d_dim / W * d_{dim+1} * ... rows, block d of every piece bound for rank d. The GEMM
 reads A through a 3-D descriptor of the [P * W, R, K] view (row (p, d, r) at index p * W + d); a row
 tile never crosses a block (R need not be a multiple of the tile: loads clip, stores are masked). The
-output shard and every pushed slot are [P, R, N]. dim=0 and 2-D `a` are P = 1; the model's [B, S, K]
-with dim=1 is P = B, so no permute copy is needed for B > 1.
+output shard, each staging slot and each received slot are [P, R, N]. dim=0 and 2-D `a` are P = 1; the
+model's [B, S, K] with dim=1 is P = B, so no permute copy is needed for B > 1.
 
-Tile schedule
--------------
+Tile schedule and chunks
+------------------------
 W steps of T = P * ceil(R / BM) * ceil(N / BN) tiles: step s computes the rows of destination
 (rank + 1 + s) % W, so this rank's own rows come last and, at every moment, every rank's rows are being
 computed by some peer. Inside a step the (row tile, column tile) pairs follow a group-M swizzle (GROUP_M
-row tiles share their B tiles in L2); every rank uses the same order inside a step.
+row tiles share their B tiles in L2, and finish together); every rank uses the same order. A chunk is
+one such group of GROUP_M row tiles, all their columns: contiguous rows of a [P, R, N] slot (a tile
+clips at its piece's end, so consecutive row tiles are consecutive rows even across pieces).
 
-* A tile of a peer's rows (the first launch: steps 0 .. W - 2, program i taking tiles i, i + G, ...) is
-  stored (plain stores over NVLink) into slot (rank - dest) % W - 1 of the destination's data buffer.
-  When a program has pushed all its tiles it announces them: one release (system scope, it waits for
-  the stores to land), writing `epoch + 1` into each tile's flag of that slot in the destination's flag
-  buffer. Nothing in this launch waits, so Triton flattens its persistent loop and K loop into one
-  pipeline: a tile's pushes drain while the next tile's loads are in flight (on one H100 the GEMM alone
-  went from 1.13 / 1.05 / 1.13 / 1.02x cuBLAS in one launch to 1.09 / 1.02 / 1.09 / 1.00x at the
-  benchmark's shapes, matmul_rs_gemm-h100.md).
-* A tile of this rank's rows (the second launch, step W - 1, program i taking own tiles i, i + G, ...)
-  waits (acquire, bounded) until the W - 1 peers' flags of that tile reached `epoch + 1`, then adds
-  their bf16 partials to its own fp32 accumulator and writes the output shard. The waits are spins
-  without branches, so this loop is flattened too. Only this 1/W of the GEMM waits, and only on peers'
-  first launches, which never wait. The second launch's programs start only once every program of the
-  first has started (its trigger is at the start), so no resident program of any rank spins for a push
-  that a program still waiting for an SM would make, whatever the SM occupancy; it waits for the first
-  launch to end before advancing the epoch.
-* The one-launch form (a config without `push_launch`) claims every tile from an atomic counter zeroed
-  before the launch, and defers a push tile's release until after the program's next tile's main loop.
-
-Flags are per tile and hold the epoch of the call that wrote them (`epoch` counts the calls on the
-group, kept on the device beside the flags as in kernels/symm_mem.py): they are never reset, a stale
-flag of an earlier call is always below the target, and CUDA-graph replays mixed with eager calls keep
-working. They need no per-shape bookkeeping either, unlike counters would.
-
-Why no barrier is needed: buffers and flags come in two halves, a call using half `epoch % 2`. A peer
-writes half e % 2 of this rank's buffers during its call e + 2 only after its call e + 1 ended, which
-waited for this rank's call e + 1 pushes, which this rank's stream issued only after its call e kernels
-(the last reader of half e % 2) had ended. So a peer is at most one call ahead and never writes the half
-this rank is reading. All calls of a group go through one flag buffer and one epoch, whatever data
-buffer (size class) they use, so the argument holds across shapes. Calls of one group must be issued on
-one stream (as for every collective). A wait that times out records (op, flag index, missing rank) in
-the flag buffer's status word; `check(group)` raises SymmMemTimeout naming the rank; the group's state
-is then unusable.
+Protocol (per call, rank r; every value is a constant, so a CUDA graph replays it as captured)
+------------------------------------------------------------------------------------------------
+* Stage launch (steps 0 .. W - 2, program i taking tiles i, i + G, ...): each tile's partial goes to
+  staging slot `step`; then every thread adds 1 to the chunk's counter with a release (each thread
+  releases its own stores), so a counter at THREADS * tiles of the chunk means the chunk has landed.
+  Nothing in it waits, so Triton flattens its persistent and K loops into one pipeline.
+* Copy stream of step s (destination d): waits until d granted a credit (d's previous call has read
+  what r sent it), takes it (writes 0); then for each chunk: waits for its counter, resets it, copies
+  the chunk into slot (r - d) % W - 1 of d's data buffer and writes 1 into that slot's chunk flag in
+  d's flag buffer (the write follows the copy with a memory barrier).
+* Own launch (step W - 1, program i taking own tiles i, i + G, ...): each tile waits (acquire, bounded,
+  branch-free spins so that the loop stays flattened) for the W - 1 flags of its chunk, then adds the
+  peers' partials in rank order to its fp32 accumulator and writes the output shard.
+* Then, on the caller's stream: this rank's chunk flags are reset to 0 (all its readers have ended),
+  a credit is written into every peer's flag buffer, and the stream waits for the copy streams (the
+  staging buffer and counters are free again for the next call).
+Credits start at 1. A peer writes this rank's data buffer for call e + 1 only after this rank's own
+launch of call e ended, so one data buffer suffices, whatever shape each call has. All calls of a group
+go through one flag buffer and must be issued on one stream (as for every collective). A wait that times
+out records (op, flag index, missing rank) in the status word; `check(group)` raises SymmMemTimeout
+naming the rank; the group's state is then unusable (the next call's copy streams may wait forever).
 
 What runs where (decided here; parallel/comm.py's triton path calls `matmul_reduce_scatter`):
 * the kernel: bf16 on CUDA, world size 2, 4 or 8, `dim` not the last, d_dim divisible by W, K and N
   multiples of 8 (TMA row strides), b either a contiguous [K, N] matrix or `weight.t()` of a contiguous
-  [N, K] weight (no weight is copied), at most FLAGS_PER_HALF flags per call;
+  [N, K] weight (no weight is copied), at most MAX_CHUNKS chunks per slot, and streams not sharing one
+  hardware queue (CUDA_DEVICE_MAX_CONNECTIONS other than 1);
 * the reference (torch.matmul + reduce_scatter_tensor) for every other well-formed call (another dtype
   or world size, misaligned K or N, ...), `fallback_reason` says why;
 * an error for calls no path can run: CPU tensors, mismatched shapes or dtypes, d_dim not divisible by W.
-The first call of a size class allocates its data buffer (collective; the first call on a group also
-the flag buffer), and a new shape may compile the kernel: make one eager call of each shape before
-capturing a CUDA graph (`prepare` allocates, but compiles nothing). Memory: 2 (W - 1) / W * M * N * 2
-bytes per rank, rounded up to a power of two.
+The first call of a size class allocates its buffers (collective; the first call on a group also the
+flag buffer), and a new shape may compile the kernels: make one eager call of each shape before
+capturing a CUDA graph (`prepare` allocates, but compiles nothing). Memory: (W - 1) / W * M * N * 2 bytes
+of symmetric buffer and as much of local staging per rank, each rounded up to a power of two.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import weakref
 from collections.abc import Sequence
 
@@ -88,16 +84,14 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kernels import stream_ops
 from kernels.symm_mem import (
     DEFAULT_TIMEOUT_S,
     INTERPRETED,
-    MAX_PROGRAMS,
     SymmBuffer,
-    advance_epoch,
     check_status,
     eager_or_op,
     get_symm_buffer,
-    load_epoch,
     op_id,
     size_class,
     wait_flag,
@@ -106,13 +100,12 @@ from kernels.symm_mem import (
 )
 
 SUPPORTED_WORLD_SIZES = (2, 4, 8)
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}  # pushed partials
 TMA_ALIGN = 8  # bf16 elements per 16 bytes: K and N must be multiples (TMA row strides)
 DATA_TAG = "matmul_rs"
 FLAG_TAG = "matmul_rs_flags"
 FLAG_BUFFER_BYTES = 1 << 20
-EPOCH_SLOTS = MAX_PROGRAMS.value  # programs per launch that may read an epoch slot (H200: 132 SMs)
-FLAGS_PER_HALF = (FLAG_BUFFER_BYTES // 4 - EPOCH_SLOTS) // 2
+CREDITS = max(SUPPORTED_WORLD_SIZES)  # int32 words at the flag buffer's start: credit from rank d at d
+MAX_CHUNKS = (FLAG_BUFFER_BYTES // 4 - CREDITS) // (max(SUPPORTED_WORLD_SIZES) - 1)  # per received slot
 OP = op_id("matmul_reduce_scatter")
 
 
@@ -121,26 +114,23 @@ class GemmConfig:
     block_m: int
     block_n: int
     block_k: int
-    group_m: int
+    group_m: int  # row tiles of a swizzle group, which is also a chunk of the copies
     num_warps: int
     num_stages: int
-    # push_launch: the peers' tiles in a launch of their own (`_matmul_rs_push_kernel`: a static
-    # schedule whose persistent loop and K loop Triton flattens into one pipeline, so a tile's pushes
-    # overlap the next tile's loads), then this rank's own tiles in a second (`_matmul_rs_kernel` over
-    # them alone).
-    push_launch: bool = False
+
+    @property
+    def threads(self) -> int:
+        """Threads of a program: each adds 1 to its tile's chunk counter."""
+        return self.num_warps * 32
 
 
 # (largest N, config), first match. 128x256x64 / 8 warps is the wgmma-friendly Hopper tile, with 4
-# stages and the peers' tiles and the own rows each in a flattened launch of their own: on one H100 the
-# GEMM alone takes 1.085-1.090x cuBLAS at K = 3584-4096 and 1.01-1.02x at K = 7168-14336, against 1.13
-# and 1.02-1.05 in one launch (benchmarks/results/matmul_rs_gemm-h100.md). Narrow outputs get 128x128
-# tiles so that enough tiles exist to fill the SMs. Refine from `torchrun --nproc_per_node=4
-# benchmarks/bench_matmul_rs.py --sweep`, the GEMM alone from `python -m benchmarks.bench_matmul_rs
-# --gemm-alone --sweep` on one GPU.
+# stages. Narrow outputs get 128x128 tiles so that enough tiles exist to fill the SMs. Refine from
+# `torchrun --nproc_per_node=4 benchmarks/bench_matmul_rs.py --sweep`, the GEMM alone from
+# `python -m benchmarks.bench_matmul_rs --gemm-alone --sweep` on one GPU.
 CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
-    (1024, GemmConfig(128, 128, 64, 8, 8, 4, push_launch=True)),
-    (1 << 62, GemmConfig(128, 256, 64, 8, 8, 4, push_launch=True)),
+    (1024, GemmConfig(128, 128, 64, 8, 8, 4)),
+    (1 << 62, GemmConfig(128, 256, 64, 8, 8, 4)),
 )
 
 
@@ -153,8 +143,18 @@ def pick_config(n: int) -> GemmConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class Chunk:
+    """GROUP_M consecutive row tiles of a slot, all columns: bytes [offset, offset + nbytes) of the
+    slot, complete once its counter reached `target` (threads x tiles)."""
+
+    offset: int
+    nbytes: int
+    target: int
+
+
+@dataclasses.dataclass(frozen=True)
 class ScatterLayout:
-    """`a` seen as [pieces, world, rows, k]; the output shard (and each pushed slot) as [pieces, rows, n]."""
+    """`a` seen as [pieces, world, rows, k]; the output shard (and each slot) as [pieces, rows, n]."""
 
     pieces: int
     rows: int  # rows per (piece, destination)
@@ -162,16 +162,46 @@ class ScatterLayout:
     n: int
     world: int
 
+    def row_tiles(self, config: GemmConfig) -> int:
+        return self.pieces * triton.cdiv(self.rows, config.block_m)
+
     def tiles_per_dest(self, config: GemmConfig) -> int:
-        return self.pieces * triton.cdiv(self.rows, config.block_m) * triton.cdiv(self.n, config.block_n)
+        return self.row_tiles(config) * triton.cdiv(self.n, config.block_n)
 
     def slot_numel(self) -> int:
-        """Elements of one pushed slot (one source's partial of one destination's rows)."""
+        """Elements of one slot (one source's partial of one destination's rows)."""
         return self.pieces * self.rows * self.n
 
-    def half_bytes(self) -> int:
-        """Bytes of one half of the data buffer: W - 1 slots of bf16."""
+    def slots_bytes(self) -> int:
+        """Bytes of the W - 1 slots of bf16 a rank stages (and receives)."""
         return (self.world - 1) * self.slot_numel() * 2
+
+    def chunk_count(self, config: GemmConfig) -> int:
+        return triton.cdiv(self.row_tiles(config), config.group_m)
+
+    def chunks(self, config: GemmConfig) -> list[Chunk]:
+        """The chunks of a slot, in schedule order."""
+        bm, tiles_per_piece = config.block_m, triton.cdiv(self.rows, config.block_m)
+        row_tiles, n_tiles = self.row_tiles(config), triton.cdiv(self.n, config.block_n)
+
+        def first_row(m: int) -> int:
+            return m // tiles_per_piece * self.rows + m % tiles_per_piece * bm
+
+        def end_row(m: int) -> int:
+            return m // tiles_per_piece * self.rows + min(m % tiles_per_piece * bm + bm, self.rows)
+
+        out = []
+        for m0 in range(0, row_tiles, config.group_m):
+            m1 = min(m0 + config.group_m, row_tiles) - 1
+            row_bytes = self.n * 2
+            out.append(
+                Chunk(
+                    offset=first_row(m0) * row_bytes,
+                    nbytes=(end_row(m1) - first_row(m0)) * row_bytes,
+                    target=(m1 - m0 + 1) * n_tiles * config.threads,
+                )
+            )
+        return out
 
 
 def scatter_layout(shape: Sequence[int], dim: int, n: int, world: int) -> ScatterLayout:
@@ -205,7 +235,7 @@ def output_shape(shape: Sequence[int], dim: int, n: int, world: int) -> list[int
     return out
 
 
-# ------------------------------------------------------------------------------------ the kernel
+# ------------------------------------------------------------------------------------ the kernels
 
 
 @triton.jit
@@ -222,13 +252,6 @@ def _tile_coords(tile, tiles_per_dest, row_tiles, n_tiles, RANK: tl.constexpr, W
     m = first + (local % in_group) % group_rows
     j = (local % in_group) // group_rows
     return dest, m, j
-
-
-@triton.jit
-def _rank_base(ptr_table, r, byte_offset, DT: tl.constexpr):
-    """Rank r's symmetric buffer + byte_offset, as a 16-byte aligned pointer to DT."""
-    base = tl.load(ptr_table.to(tl.pointer_type(tl.uint64)) + r).to(tl.int64) + byte_offset
-    return tl.multiple_of(base.to(tl.pointer_type(DT)), 16)
 
 
 @triton.jit
@@ -255,46 +278,16 @@ def _product(a_desc, b_desc, piece, row0, n0, k_tiles,
 
 
 @triton.jit
-def _push(left, right, data_table, data_offset, dest, slot, slot_numel, piece, row0, n0, rows, n,
-          BM: tl.constexpr, BH: tl.constexpr, DT: tl.constexpr):  # fmt: skip
-    """Store a tile's column halves (plain stores, over NVLink to a peer) into slot `slot` of rank
-    `dest`'s data buffer."""
-    base = _rank_base(data_table, dest, data_offset, DT) + slot * slot_numel
-    ptrs, mask = _tile_ptrs(base, piece, row0, n0, rows, n, BM, BH)
-    tl.store(ptrs, left.to(DT), mask=mask)
-    ptrs, mask = _tile_ptrs(base, piece, row0, n0 + BH, rows, n, BM, BH)
-    tl.store(ptrs, right.to(DT), mask=mask)
-
-
-@triton.jit
-def _announce(flag_table, dest, flag_offset, flag, value):
-    """flags[flag] of rank `dest` = value, after every store this program made (release, system)."""
-    tl.debug_barrier()
-    flags = _rank_base(flag_table, dest, flag_offset, tl.int32)
-    tl.atomic_xchg(flags + flag, value, sem="release", scope="sys")
-
-
-@triton.jit
-def _wait_tile(flags, flag, value, status_ptr, src, timeout_ns, OP_ID: tl.constexpr):
-    """Wait until flags[flag] reached `value`: one acquire read first (the flag is usually set by
-    now), the bounded spin of kernels/symm_mem.py only when it is not. Ends with a CTA barrier."""
-    seen = tl.atomic_add(flags + flag, 0, sem="acquire", scope="sys")
-    if seen - value < 0:
-        wait_flag(flags + flag, value, status_ptr, OP_ID, flag, src, timeout_ns)
-    tl.debug_barrier()
-
-
-@triton.jit
 def _reduce_columns(part, data, slot_numel, piece, row0, n0, rows, n, out_ptr,
                     RANK: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr):  # fmt: skip
-    """Output columns [n0, n0 + BH) of a row tile = this rank's `part`, then the peers' pushed partials
-    in rank order, summed in fp32 into `part` (no second fp32 tile in registers)."""
+    """Output columns [n0, n0 + BH) of a row tile = this rank's `part`, then the peers' received
+    partials in rank order, summed in fp32 into `part` (no second fp32 tile in registers)."""
     ptrs, mask = _tile_ptrs(data, piece, row0, n0, rows, n, BM, BH)
     total = part
     for src in tl.static_range(WORLD):
         if src != RANK:
             slot = (src - RANK + WORLD) % WORLD - 1
-            # .cg: read L2, where the peers' stores landed, never a stale L1 line of an earlier call.
+            # .cg: read L2, where the peers' copies landed, never a stale L1 line of an earlier call.
             total += tl.load(ptrs + slot * slot_numel, mask=mask, cache_modifier=".cg").to(tl.float32)
     out, out_mask = _tile_ptrs(out_ptr, piece, row0, n0, rows, n, BM, BH)
     tl.store(out, total.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -316,16 +309,10 @@ def _reduce_slices(part, data, slot_numel, piece, row0, n0, rows, n, out_ptr, RA
 
 
 @triton.jit
-def _call_geometry(epoch_ptr, pid, data_offset, data_half, flag_offset, flag_half, k, rows, n, pieces,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    """What every launch of a call derives first: its epoch, the byte offsets of the data and flag
-    halves the call uses, N, the tile counts, a slot's elements and the K steps."""
-    epoch = load_epoch(epoch_ptr, pid)
-    parity = (epoch & 1).to(tl.int64)
-    data_offset += parity * data_half
-    flag_offset += parity * flag_half * 4
+def _geometry(k, rows, n, pieces, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """What both launches derive first: N, the tile counts, a slot's elements and the K steps."""
     # The kernel path has N % TMA_ALIGN (8) == 0. Saying so (an identity there; tl.multiple_of does
-    # not reach a scalar argument) keeps pushes and reads in 16-byte vectors even where N is not a
+    # not reach a scalar argument) keeps stores and reads in 16-byte vectors even where N is not a
     # multiple of 16, the only divisibility Triton infers by itself.
     n = n // 8 * 8
     row_tiles_per_piece = tl.cdiv(rows, BM)
@@ -333,90 +320,74 @@ def _call_geometry(epoch_ptr, pid, data_offset, data_half, flag_offset, flag_hal
     n_tiles = tl.cdiv(n, BN)
     tiles_per_dest = row_tiles * n_tiles
     slot_numel = tl.cast(pieces, tl.int64) * rows * n  # int64: slots may exceed 2**31 elements
-    k_tiles = tl.cdiv(k, BK)
-    return epoch, data_offset, flag_offset, n, row_tiles_per_piece, row_tiles, n_tiles, tiles_per_dest, \
-        slot_numel, k_tiles  # fmt: skip
+    return n, row_tiles_per_piece, row_tiles, n_tiles, tiles_per_dest, slot_numel, tl.cdiv(k, BK)
 
 
 @triton.jit
-def _matmul_rs_kernel(
-    a_desc, b_desc, out_ptr, data_table, data_offset, data_half, flag_table, flag_offset, flag_half,
-    epoch_ptr, status_ptr, claim_ptr, timeout_ns, k, rows, n, pieces, tile_begin, tile_end,
+def _matmul_rs_stage_kernel(
+    a_desc, b_desc, staging_ptr, counters_ptr, k, rows, n, pieces, chunks,
     RANK: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, B_KN: tl.constexpr, OP_ID: tl.constexpr,
+    GROUP_M: tl.constexpr, B_KN: tl.constexpr, THREADS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Persistent GEMM + reduce-scatter over tiles [tile_begin, tile_end) of `_tile_coords`' order
-    (the whole call is [0, W * T)), claimed one by one through the zeroed int32 at `claim_ptr`: the
-    one-launch form (a config without `push_launch`); see the module docstring."""
+    """Persistent GEMM over the peers' tiles [0, (W - 1) * T) of `_tile_coords`' order, program i
+    taking tiles i, i + G, ...: each tile's partial goes to staging slot `step`, then each of the
+    program's THREADS threads adds 1 to the tile's chunk counter (release: its own stores first). It
+    never waits, so Triton flattens the loop: a tile's stores drain while the next tile's loads are in
+    flight. With PDL the own-rows launch may take each SM this one leaves."""
+    if PDL:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
-    DT: tl.constexpr = out_ptr.dtype.element_ty
     BH: tl.constexpr = BN // 2
-    epoch, data_offset, flag_offset, n, row_tiles_per_piece, row_tiles, n_tiles, tiles_per_dest, slot_numel, \
-        k_tiles = _call_geometry(epoch_ptr, pid, data_offset, data_half, flag_offset, flag_half, k, rows, n,
-                                 pieces, BM, BN, BK)  # fmt: skip
-    # The destination (-1: none) and flag of this program's last push, not yet announced. Tensors
-    # from the start: loop-carried values keep one type.
-    pending_dest = pid * 0 - 1
-    pending_flag = pid * 0
-    tile = tile_begin + tl.atomic_add(claim_ptr, 1, sem="relaxed")
-    while tile < tile_end:
+    n, row_tiles_per_piece, row_tiles, n_tiles, tiles_per_dest, slot_numel, k_tiles = _geometry(
+        k, rows, n, pieces, BM, BN, BK
+    )
+    ones = tl.full([THREADS], 1, tl.int32)  # one element a thread
+    for tile in tl.range(pid, (WORLD - 1) * tiles_per_dest, tl.num_programs(0), flatten=True):
         dest, m, j = _tile_coords(tile, tiles_per_dest, row_tiles, n_tiles, RANK, WORLD, GROUP_M)
+        step = tile // tiles_per_dest
         piece = m // row_tiles_per_piece
         row0 = (m % row_tiles_per_piece) * BM
         n0 = j * BN
         left, right = _product(a_desc, b_desc, piece * WORLD + dest, row0, n0, k_tiles, BM, BN, BK, B_KN)
-        if pending_dest >= 0:
-            _announce(flag_table, pending_dest, flag_offset, pending_flag, epoch + 1)
-        tile_flag = m * n_tiles + j
-        if dest != RANK:
-            slot = (RANK - dest + WORLD) % WORLD - 1
-            _push(left, right, data_table, data_offset, dest, slot, slot_numel, piece, row0, n0, rows, n,
-                  BM, BH, DT)  # fmt: skip
-            pending_dest = dest
-            pending_flag = slot * tiles_per_dest + tile_flag
-        else:
-            pending_dest = dest * 0 - 1
-            flags = _rank_base(flag_table, RANK, flag_offset, tl.int32)
-            for src in tl.static_range(WORLD):
-                if src != RANK:
-                    slot = (src - RANK + WORLD) % WORLD - 1
-                    _wait_tile(flags, slot * tiles_per_dest + tile_flag, epoch + 1, status_ptr, src,
-                               timeout_ns, OP_ID)  # fmt: skip
-            data = _rank_base(data_table, RANK, data_offset, DT)
-            _reduce_columns(left, data, slot_numel, piece, row0, n0, rows, n, out_ptr, RANK, WORLD, BM, BH)
-            _reduce_columns(right, data, slot_numel, piece, row0, n0 + BH, rows, n, out_ptr, RANK, WORLD, BM,
-                            BH)  # fmt: skip
-        tile = tile_begin + tl.atomic_add(claim_ptr, 1, sem="relaxed")
-    if pending_dest >= 0:
-        _announce(flag_table, pending_dest, flag_offset, pending_flag, epoch + 1)
-    advance_epoch(epoch_ptr, pid, epoch)  # every slot: the next launch may use another grid
+        slot = staging_ptr + step * slot_numel
+        ptrs, mask = _tile_ptrs(slot, piece, row0, n0, rows, n, BM, BH)
+        tl.store(ptrs, left.to(staging_ptr.dtype.element_ty), mask=mask)
+        ptrs, mask = _tile_ptrs(slot, piece, row0, n0 + BH, rows, n, BM, BH)
+        tl.store(ptrs, right.to(staging_ptr.dtype.element_ty), mask=mask)
+        counter = counters_ptr + step * chunks + m // GROUP_M
+        tl.atomic_add(counter + ones * 0, ones, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait_tile(flags, flag, status_ptr, src, timeout_ns, OP_ID: tl.constexpr):
+    """Wait until flags[flag] is set: one acquire read first, the bounded spin of kernels/symm_mem.py
+    only when it is not (the interpreter's wait: a flattened loop takes `wait_flag_unbranched`)."""
+    seen = tl.atomic_add(flags + flag, 0, sem="acquire", scope="sys")
+    if seen < 1:
+        wait_flag(flags + flag, 1, status_ptr, OP_ID, flag, src, timeout_ns)
+    tl.debug_barrier()
 
 
 @triton.jit
 def _matmul_rs_own_kernel(
-    a_desc, b_desc, out_ptr, data_table, data_offset, data_half, flag_table, flag_offset, flag_half,
-    epoch_ptr, status_ptr, timeout_ns, k, rows, n, pieces,
+    a_desc, b_desc, out_ptr, recv_ptr, flags_ptr, status_ptr, timeout_ns, k, rows, n, pieces, chunks,
     RANK: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, B_KN: tl.constexpr, OP_ID: tl.constexpr, AFTER_PUSHES: tl.constexpr,
+    GROUP_M: tl.constexpr, B_KN: tl.constexpr, OP_ID: tl.constexpr, AFTER_STAGE: tl.constexpr,
     SPIN: tl.constexpr,
 ):  # fmt: skip
     """Persistent GEMM over this rank's own tiles [(W - 1) * T, W * T) of `_tile_coords`' order,
     program i taking own tiles i, i + G, ...: each tile's product waits for the W - 1 peers' flags of
-    that tile, adds their partials and writes the output shard. SPIN (compiled): the waits are
+    its chunk, adds their partials and writes the output shard. SPIN (compiled): the waits are
     unbranched spins, so that Triton flattens the loop and the next tile's loads are in flight during a
-    tile's waits and reduction; the interpreter takes the branched `_wait_tile`. Only peers' push
-    launches, which never wait, set these flags, so the static schedule cannot deadlock."""
+    tile's waits and reduction. Only peers' copy streams set these flags, and they wait for nothing an
+    SM holds, so the static schedule cannot deadlock."""
     pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    DT: tl.constexpr = out_ptr.dtype.element_ty
     BH: tl.constexpr = BN // 2
-    epoch, data_offset, flag_offset, n, row_tiles_per_piece, row_tiles, n_tiles, tiles_per_dest, slot_numel, \
-        k_tiles = _call_geometry(epoch_ptr, pid, data_offset, data_half, flag_offset, flag_half, k, rows, n,
-                                 pieces, BM, BN, BK)  # fmt: skip
-    flags = _rank_base(flag_table, RANK, flag_offset, tl.int32)
-    data = _rank_base(data_table, RANK, data_offset, DT)
+    n, row_tiles_per_piece, row_tiles, n_tiles, tiles_per_dest, slot_numel, k_tiles = _geometry(
+        k, rows, n, pieces, BM, BN, BK
+    )
     first = (WORLD - 1) * tiles_per_dest
-    for tile in tl.range(first + pid, first + tiles_per_dest, nprog, flatten=True):
+    for tile in tl.range(first + pid, first + tiles_per_dest, tl.num_programs(0), flatten=True):
         _, m, j = _tile_coords(tile, tiles_per_dest, row_tiles, n_tiles, RANK, WORLD, GROUP_M)
         piece = m // row_tiles_per_piece
         row0 = (m % row_tiles_per_piece) * BM
@@ -427,13 +398,13 @@ def _matmul_rs_own_kernel(
         zero = pid * 0
         for src in tl.static_range(WORLD):
             if src != RANK:
-                flag = ((src - RANK + WORLD) % WORLD - 1) * tiles_per_dest + m * n_tiles + j
+                flag = ((src - RANK + WORLD) % WORLD - 1) * chunks + m // GROUP_M
                 if SPIN:
-                    zero = wait_flag_unbranched(flags + flag, epoch + 1, zero, status_ptr, OP_ID, flag, src,
+                    zero = wait_flag_unbranched(flags_ptr + flag, 1, zero, status_ptr, OP_ID, flag, src,
                                                 timeout_ns, False)  # fmt: skip
                 else:
-                    _wait_tile(flags, flag, epoch + 1, status_ptr, src, timeout_ns, OP_ID)
-        partials = tl.multiple_of(data + zero, 16)
+                    _wait_tile(flags_ptr, flag, status_ptr, src, timeout_ns, OP_ID)
+        partials = tl.multiple_of(recv_ptr + zero, 16)
         # In column slices of at most 64 (32 past 4 ranks): the peers' partials of a slice are loaded
         # at once, so narrower slices keep the epilogue in registers.
         SLICES: tl.constexpr = 2 if WORLD <= 4 else 4
@@ -441,66 +412,22 @@ def _matmul_rs_own_kernel(
                        SLICES)  # fmt: skip
         _reduce_slices(right, partials, slot_numel, piece, row0, n0 + BH, rows, n, out_ptr, RANK, WORLD, BM,
                        BH, SLICES)  # fmt: skip
-    if AFTER_PUSHES:
-        gdc_wait()  # the push launch read its epoch slots: it has ended before they advance
-    advance_epoch(epoch_ptr, pid, epoch)
-
-
-@triton.jit
-def _matmul_rs_push_kernel(
-    a_desc, b_desc, data_table, data_offset, data_half, flag_table, flag_offset, flag_half, epoch_ptr,
-    k, rows, n, pieces,
-    RANK: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, B_KN: tl.constexpr, DT: tl.constexpr, TILES_PER_PROGRAM: tl.constexpr,
-    PDL: tl.constexpr,
-):  # fmt: skip
-    """Persistent GEMM over the peers' tiles [0, (W - 1) * T) of `_tile_coords`' order, program i
-    taking tiles i, i + G, ...: each tile is pushed into its destination's slot, and once the program
-    has pushed all of them it announces them (one release, then a flag per tile). It never waits, so a
-    static schedule cannot deadlock, and Triton flattens the loop: a tile's pushes drain while the
-    next tile's loads are in flight. With PDL the own-rows launch may take each SM this one leaves."""
-    if PDL:
-        gdc_launch_dependents()
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    BH: tl.constexpr = BN // 2
-    epoch, data_offset, flag_offset, n, row_tiles_per_piece, row_tiles, n_tiles, tiles_per_dest, slot_numel, \
-        k_tiles = _call_geometry(epoch_ptr, pid, data_offset, data_half, flag_offset, flag_half, k, rows, n,
-                                 pieces, BM, BN, BK)  # fmt: skip
-    total = (WORLD - 1) * tiles_per_dest
-    for tile in tl.range(pid, total, nprog, flatten=True):
-        dest, m, j = _tile_coords(tile, tiles_per_dest, row_tiles, n_tiles, RANK, WORLD, GROUP_M)
-        piece = m // row_tiles_per_piece
-        row0 = (m % row_tiles_per_piece) * BM
-        n0 = j * BN
-        left, right = _product(a_desc, b_desc, piece * WORLD + dest, row0, n0, k_tiles, BM, BN, BK, B_KN)
-        slot = (RANK - dest + WORLD) % WORLD - 1
-        _push(left, right, data_table, data_offset, dest, slot, slot_numel, piece, row0, n0, rows, n,
-              BM, BH, DT)  # fmt: skip
-    # Every thread's pushes before the flags; the flags of all this program's tiles in one vector
-    # release (each lane one flag), so the release waits for the pushes once.
-    tl.debug_barrier()
-    tiles = pid + nprog * tl.arange(0, TILES_PER_PROGRAM)
-    dest, m, j = _tile_coords(tiles, tiles_per_dest, row_tiles, n_tiles, RANK, WORLD, GROUP_M)
-    flags = _rank_base(flag_table, dest, flag_offset, tl.int32)
-    flag = ((RANK - dest + WORLD) % WORLD - 1) * tiles_per_dest + m * n_tiles + j
-    value = tl.zeros_like(flag) + epoch + 1
-    tl.atomic_xchg(flags + flag, value, mask=tiles < total, sem="release", scope="sys")
+    if AFTER_STAGE:
+        # End after the stage launch: whatever the stream runs next (the flag reset, the credits) then
+        # follows both launches.
+        gdc_wait()
 
 
 @dataclasses.dataclass(frozen=True)
-class Buffers:
-    """Where a launch finds the symmetric state: device tables of every rank's buffer base address,
-    the byte offset of half 0 of the data (slots) and of the flags, each half's size (bytes of data,
-    int32 flags), this rank's epoch slots and status word."""
+class CallBuffers:
+    """A call's memory on this rank: the staging slots (bf16, local) and the chunk counters (int32,
+    local, zero between calls) the stage launch fills, the received slots (bf16) and their chunk flags
+    (int32, [W - 1, chunks]) the own launch reads, and the status word its waits report to."""
 
-    data_table: int
-    data_offset: int
-    data_half: int
-    flag_table: int
-    flag_offset: int
-    flag_half: int
-    epochs: torch.Tensor
+    staging: torch.Tensor
+    counters: torch.Tensor
+    received: torch.Tensor
+    flags: torch.Tensor
     status: torch.Tensor
 
 
@@ -521,102 +448,79 @@ def launch(
     b: torch.Tensor,
     out: torch.Tensor,
     layout: ScatterLayout,
-    buffers: Buffers,
+    buffers: CallBuffers,
     rank: int,
     config: GemmConfig,
     num_programs: int,
     timeout_ns: int,
-    tiles: tuple[int, int] | None = None,
+    part: str = "both",
 ) -> tuple[triton.compiler.CompiledKernel, ...]:
-    """Launch the persistent kernel(s): `out` ([P, R, N], contiguous) = this rank's rows of the sum
-    over ranks of `a` ([P, W, R, K], contiguous) @ `b`, each launch with at most `num_programs`
-    programs. `tiles` restricts the call to a range of the schedule (default: all W * T tiles, one
-    whole call); with `config.push_launch` the range is the peers' tiles [0, (W - 1) * T), the own
-    tiles [(W - 1) * T, W * T) or both. Returns the compiled kernels, in launch order."""
+    """Launch the stage and/or own launch (`part`: "stage", "own" or "both") of this rank's call:
+    `out` ([P, R, N], contiguous) = this rank's rows of the sum over ranks of `a` ([P, W, R, K],
+    contiguous) @ `b`, each launch with at most `num_programs` programs. The copies between them are
+    the caller's (`CopyEngines`). Returns the compiled kernels, in launch order."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     p, w, r, k, n = layout.pieces, layout.world, layout.rows, layout.k, layout.n
     if tuple(a.shape) != (p, w, r, k) or not a.is_contiguous():
         raise ValueError(f"a must be a contiguous [{p}, {w}, {r}, {k}] tensor, got {tuple(a.shape)}")
     if tuple(out.shape) != (p, r, n) or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous [{p}, {r}, {n}] tensor, got {tuple(out.shape)}")
-    per_dest = layout.tiles_per_dest(config)
-    if (w - 1) * per_dest > buffers.flag_half:
-        raise ValueError(
-            f"{(w - 1) * per_dest} tiles need more flags than the {buffers.flag_half} of a flag-buffer "
-            "half: use larger tiles"
-        )
-    if not 1 <= num_programs <= EPOCH_SLOTS:
-        raise ValueError(f"num_programs must be in [1, {EPOCH_SLOTS}], got {num_programs}")
-    peers, total = (w - 1) * per_dest, w * per_dest
-    begin, end = tiles if tiles is not None else (0, total)
-    if not 0 <= begin <= end <= total:
-        raise ValueError(f"tile range [{begin}, {end}) outside the schedule's [0, {total})")
-    if config.push_launch and (begin, end) not in ((0, peers), (peers, total), (0, total)):
-        raise ValueError(
-            f"with push_launch a launch covers the peers' tiles [0, {peers}), the own tiles "
-            f"[{peers}, {total}) or both, not [{begin}, {end})"
-        )
+    if part not in ("stage", "own", "both"):
+        raise ValueError(f"part must be 'stage', 'own' or 'both', got {part!r}")
+    if num_programs < 1:
+        raise ValueError(f"num_programs must be at least 1, got {num_programs}")
+    chunks = layout.chunk_count(config)
+    slots = (w - 1) * layout.slot_numel()
+    for name, tensor, numel in (
+        ("staging", buffers.staging, slots),
+        ("received", buffers.received, slots),
+        ("counters", buffers.counters, (w - 1) * chunks),
+        ("flags", buffers.flags, (w - 1) * chunks),
+    ):
+        if tensor.numel() < numel or not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, at least {numel} elements; got {tensor.numel()}")
     b_kn = is_kn_layout(b)
     a_desc = TensorDescriptor(a, [p * w, r, k], [r * k, k, 1], [1, bm, bk])
     if b_kn:
         b_desc = TensorDescriptor(b, [k, n], [n, 1], [bk, bn])
     else:
         b_desc = TensorDescriptor(b.t(), [n, k], [k, 1], [bn, bk])
-    if not config.push_launch:
-        claims = torch.zeros(1, dtype=torch.int32, device=a.device)
-        one = _matmul_rs_kernel[(min(num_programs, max(1, end - begin)),)](
-            a_desc, b_desc, out, buffers.data_table, buffers.data_offset, buffers.data_half,
-            buffers.flag_table, buffers.flag_offset, buffers.flag_half, buffers.epochs, buffers.status,
-            claims, timeout_ns, k, r, n, p, begin, end,
-            RANK=rank, WORLD=w, BM=bm, BN=bn, BK=bk, GROUP_M=config.group_m, B_KN=b_kn, OP_ID=OP,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+    per_dest = layout.tiles_per_dest(config)
+    common = dict(RANK=rank, WORLD=w, BM=bm, BN=bn, BK=bk, GROUP_M=config.group_m, B_KN=b_kn,
+                  num_warps=config.num_warps, num_stages=config.num_stages)  # fmt: skip
+    kernels = ()
+    if part in ("stage", "both"):
+        stage = _matmul_rs_stage_kernel[(min(num_programs, (w - 1) * per_dest),)](
+            a_desc, b_desc, buffers.staging, buffers.counters, k, r, n, p, chunks,
+            THREADS=config.threads, PDL=not INTERPRETED, **common,
         )  # fmt: skip
-        return (one,)
-    first = None
-    if begin == 0 and peers > 0:
-        programs = min(num_programs, peers)
-        per_program = triton.next_power_of_2(triton.cdiv(peers, programs))
-        first = _matmul_rs_push_kernel[(programs,)](
-            a_desc, b_desc, buffers.data_table, buffers.data_offset, buffers.data_half,
-            buffers.flag_table, buffers.flag_offset, buffers.flag_half, buffers.epochs, k, r, n, p,
-            RANK=rank, WORLD=w, BM=bm, BN=bn, BK=bk, GROUP_M=config.group_m, B_KN=b_kn,
-            DT=_TL_DTYPES[out.dtype], TILES_PER_PROGRAM=per_program, PDL=not INTERPRETED,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+        kernels += (stage,)
+    if part in ("own", "both"):
+        after_stage = part == "both" and not INTERPRETED
+        own = _matmul_rs_own_kernel[(min(num_programs, per_dest),)](
+            a_desc, b_desc, out, buffers.received, buffers.flags, buffers.status, timeout_ns, k, r, n, p,
+            chunks, OP_ID=OP, AFTER_STAGE=after_stage, SPIN=not INTERPRETED,
+            **common, **({"launch_pdl": True} if after_stage else {}),
         )  # fmt: skip
-        if end == peers:
-            return (first,)
-    after_pushes = first is not None and not INTERPRETED
-    own = _matmul_rs_own_kernel[(min(num_programs, per_dest),)](
-        a_desc, b_desc, out, buffers.data_table, buffers.data_offset, buffers.data_half,
-        buffers.flag_table, buffers.flag_offset, buffers.flag_half, buffers.epochs, buffers.status,
-        timeout_ns, k, r, n, p,
-        RANK=rank, WORLD=w, BM=bm, BN=bn, BK=bk, GROUP_M=config.group_m, B_KN=b_kn, OP_ID=OP,
-        AFTER_PUSHES=after_pushes, SPIN=not INTERPRETED, num_warps=config.num_warps,
-        num_stages=config.num_stages, **({"launch_pdl": True} if after_pushes else {}),
-    )  # fmt: skip
-    return (own,) if first is None else (first, own)
+        kernels += (own,)
+    return kernels
 
 
 def grid_size(layout: ScatterLayout, config: GemmConfig, num_sms: int) -> int:
-    """Programs of a whole call's launch: one per SM, or per tile where there are fewer tiles."""
-    return min(num_sms, layout.world * layout.tiles_per_dest(config), EPOCH_SLOTS)
-
-
-# A flag value every call's target (epoch + 1) is below for the next 2**30 calls: a flag that never waits.
-_ALWAYS_SET = 1 << 30
+    """Programs of a launch: one per SM, or per tile where there are fewer tiles."""
+    return min(num_sms, layout.world * layout.tiles_per_dest(config))
 
 
 class GemmAlone:
     """The GEMM of one `matmul_reduce_scatter_kernel` call of rank `rank` of `world`, with the
-    communication taken out: the peers' "symmetric buffers" are local tensors (one data and one flag
-    buffer per rank, as in the call), so the pushes of the peers' rows land in local memory, and this
-    rank's own tiles find their flags already set and the peers' partials in place (zeros: the output
-    is this rank's rows of a @ b). Same config picking, tile schedule, descriptors and launch as the
-    call (`launch`), in one process without a process group: what `--gemm-alone` in the benchmarks
-    times beside torch.matmul on the same operands.
+    communication taken out: the stage launch fills its staging slots and counters as in the call, and
+    the own launch finds its chunk flags already set and the peers' partials in place (zeros: the
+    output is this rank's rows of a @ b); no copies. Same config picking, tile schedule, descriptors and
+    launches as the call (`launch`), in one process without a process group: what `--gemm-alone` in the
+    benchmarks times beside torch.matmul on the same operands.
 
     `run()` returns the output shard (preallocated, rewritten by every run); `pushed(dest)` the partial
-    of destination `dest`'s rows the last run pushed. `num_sms` (default: the device's) caps the grid."""
+    of destination `dest`'s rows the last run staged. `num_sms` (default: the device's) caps the grid."""
 
     def __init__(
         self,
@@ -640,25 +544,14 @@ class GemmAlone:
         self.out = torch.full(
             output_shape(a.shape, dim, layout.n, world), float("nan"), dtype=a.dtype, device=dev
         )
-        flag_half = (world - 1) * layout.tiles_per_dest(self.config)
-        self.data = [
-            torch.zeros(2 * layout.half_bytes(), dtype=torch.uint8, device=dev) for _ in range(world)
-        ]
-        self.flags = [torch.zeros(2 * flag_half, dtype=torch.int32, device=dev) for _ in range(world)]
-        self.flags[rank].fill_(_ALWAYS_SET)
-        self.tables = [
-            torch.tensor([t.data_ptr() for t in ts], dtype=torch.int64, device=dev)
-            for ts in (self.data, self.flags)
-        ]
-        self.epochs = torch.zeros(EPOCH_SLOTS, dtype=torch.int32, device=dev)
-        self.buffers = Buffers(
-            data_table=self.tables[0].data_ptr(),
-            data_offset=0,
-            data_half=layout.half_bytes(),
-            flag_table=self.tables[1].data_ptr(),
-            flag_offset=0,
-            flag_half=flag_half,
-            epochs=self.epochs,
+        slots = (world - 1) * layout.slot_numel()
+        flags = (world - 1) * layout.chunk_count(self.config)
+        self.buffers = CallBuffers(
+            staging=torch.full((slots,), float("nan"), dtype=a.dtype, device=dev),
+            # The counters are never awaited here: they may wrap.
+            counters=torch.zeros(flags, dtype=torch.int32, device=dev),
+            received=torch.zeros(slots, dtype=a.dtype, device=dev),
+            flags=torch.ones(flags, dtype=torch.int32, device=dev),
             status=torch.zeros(4, dtype=torch.int32, device=dev),
         )
         num_sms = (
@@ -666,24 +559,25 @@ class GemmAlone:
         )
         self.num_programs = grid_size(layout, self.config, num_sms)
         self.kernels: tuple[triton.compiler.CompiledKernel, ...] = ()  # the last run's launches
+        self.runs = 0
 
     def run(self) -> torch.Tensor:
         out = self.out.view(self.layout.pieces, self.layout.rows, self.layout.n)
         self.kernels = launch(self.a, self.b, out, self.layout, self.buffers, self.rank, self.config,
-                             self.num_programs, int(DEFAULT_TIMEOUT_S * 1e9))  # fmt: skip
+                              self.num_programs, int(DEFAULT_TIMEOUT_S * 1e9))  # fmt: skip
+        self.runs += 1
         return self.out
 
     def pushed(self, dest: int) -> torch.Tensor:
-        """[P, R, N]: the partial of `dest`'s rows that the last run pushed into `dest`'s data buffer."""
+        """[P, R, N]: the partial of `dest`'s rows that the last run staged for `dest`."""
         if dest == self.rank or not 0 <= dest < self.layout.world:
             raise ValueError(f"rank {self.rank} pushes to the other ranks of {self.layout.world}, not {dest}")
-        last = int(self.epochs[0].item()) - 1  # the epoch of the last run picked its buffer half
-        if last < 0:
+        if not self.runs:
             raise ValueError("nothing pushed yet: call run() first")
-        slot = (self.rank - dest) % self.layout.world - 1
-        half = self.data[dest].view(2, -1)[last % 2].view(self.out.dtype)
+        step = (dest - self.rank) % self.layout.world - 1
         n = self.layout.slot_numel()
-        return half[slot * n : (slot + 1) * n].view(self.layout.pieces, self.layout.rows, self.layout.n)
+        slot = self.buffers.staging[step * n : (step + 1) * n]
+        return slot.view(self.layout.pieces, self.layout.rows, self.layout.n)
 
 
 # ------------------------------------------------------------------------------------ reference
@@ -752,62 +646,126 @@ def fallback_reason(
     except ValueError as err:
         return str(err)
     layout = scatter_layout(a.shape, dim, b.shape[1], world)
-    flags = (world - 1) * layout.tiles_per_dest(config or pick_config(layout.n))
-    if flags > FLAGS_PER_HALF:
-        return f"{flags} tile flags (a flag-buffer half holds {FLAGS_PER_HALF})"
+    chunks = layout.chunk_count(config or pick_config(layout.n))
+    if chunks > MAX_CHUNKS:
+        return f"{chunks} chunks per slot (the flag buffer holds {MAX_CHUNKS})"
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
+        return (
+            "CUDA_DEVICE_MAX_CONNECTIONS=1 queues the copy streams behind the launch that waits for "
+            "them: unset it"
+        )
     return None
 
 
-# Group name -> the flag buffer whose flags and epochs were zeroed (weakly: kernels/symm_mem.py owns it).
-_ZEROED: dict[str, weakref.ref] = {}
+class _GroupState:
+    """What every call of a group shares on this rank: the flag buffer ([credits | chunk flags of the W
+    - 1 received slots], int32, symmetric), the chunk counters (local), one copy stream per peer step,
+    and a staging buffer per size class (local)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.flags = get_symm_buffer(group, FLAG_BUFFER_BYTES, torch.uint8, tag=FLAG_TAG)
+        words = self.flags.view(0, FLAG_BUFFER_BYTES // 4, torch.int32)
+        words.zero_()
+        words[:CREDITS].fill_(1)  # every peer may write this rank's buffer for the first call
+        self.counters = torch.zeros((self.world - 1) * MAX_CHUNKS, dtype=torch.int32, device=words.device)
+        self.streams = [torch.cuda.Stream() for _ in range(self.world - 1)]
+        self.staging: dict[int, torch.Tensor] = {}
+        torch.cuda.synchronize()
+        dist.barrier(group=group)  # every credit and flag set before any peer copies or signals
+
+    def buffers(self, layout: ScatterLayout, config: GemmConfig, data: SymmBuffer) -> CallBuffers:
+        chunks = layout.chunk_count(config)
+        flags = self.flags.view(CREDITS * 4, (self.world - 1) * chunks, torch.int32)
+        return CallBuffers(
+            staging=self.staging[data.nbytes],
+            counters=self.counters[: (self.world - 1) * chunks],
+            received=data.view(0, (self.world - 1) * layout.slot_numel(), torch.bfloat16),
+            flags=flags,
+            status=self.flags.status,
+        )
+
+    def copy(self, stream: torch.cuda.Stream, fork: torch.cuda.Event, layout: ScatterLayout,
+             config: GemmConfig, data: SymmBuffer, buffers: CallBuffers) -> None:  # fmt: skip
+        """Queue the call's copies and signals. The copy streams start at `fork`, recorded on `stream`
+        before the launches: a fork after them would wait for the own launch, which waits for the
+        peers' copies, which wait for theirs. Call it after both launches (kernels/stream_ops.py: lazy
+        loading). `stream` then resets this rank's chunk flags, grants every peer its credit and waits
+        for the copy streams."""
+        chunks = layout.chunks(config)
+        slot_bytes = layout.slot_numel() * 2
+        credits = self.flags.addresses[self.rank]
+        joins = []
+        for step, copies in enumerate(self.streams):
+            dest = (self.rank + 1 + step) % self.world
+            slot = (self.rank - dest) % self.world - 1  # this rank's slot in dest's buffers
+            copies.wait_event(fork)
+            handle = copies.cuda_stream
+            stream_ops.wait_geq(handle, credits + 4 * dest, 1)
+            stream_ops.write(handle, credits + 4 * dest, 0)
+            peer_flags = self.flags.addresses[dest] + 4 * (CREDITS + slot * len(chunks))
+            for c, chunk in enumerate(chunks):
+                counter = buffers.counters[step * len(chunks) + c].data_ptr()
+                stream_ops.wait_geq(handle, counter, chunk.target)
+                stream_ops.write(handle, counter, 0)
+                stream_ops.copy(
+                    handle,
+                    data.addresses[dest] + slot * slot_bytes + chunk.offset,
+                    buffers.staging.data_ptr() + step * slot_bytes + chunk.offset,
+                    chunk.nbytes,
+                )
+                stream_ops.write(handle, peer_flags + 4 * c, 1)
+            join = torch.cuda.Event()
+            join.record(copies)
+            joins.append(join)
+        handle = stream.cuda_stream
+        stream_ops.fill(handle, buffers.flags.data_ptr(), 0, buffers.flags.numel())
+        for dest in range(self.world):
+            if dest != self.rank:
+                stream_ops.write(handle, self.flags.addresses[dest] + 4 * self.rank, 1)
+        for join in joins:
+            stream.wait_event(join)
+
+
+# Group name -> its state (weakly keyed on the flag buffer, which kernels/symm_mem.py owns).
+_STATES: dict[str, tuple[weakref.ref, _GroupState]] = {}
 # Group name -> size classes of the data buffers allocated so far.
 _PREPARED: dict[str, set[int]] = {}
 
 
-def _flag_buffer(group: dist.ProcessGroup) -> SymmBuffer:
-    """The group's flag buffer: [epoch slots | flags half 0 | flags half 1] int32, zeroed (collective)
-    when first allocated, before any peer can signal into it."""
-    buf = get_symm_buffer(group, FLAG_BUFFER_BYTES, torch.uint8, tag=FLAG_TAG)
-    seen = _ZEROED.get(group.group_name)
-    if seen is None or seen() is not buf:
-        buf.tensor.zero_()
-        torch.cuda.synchronize()
-        dist.barrier(group=group)
-        _ZEROED[group.group_name] = weakref.ref(buf)
-    return buf
+def _group_state(group: dist.ProcessGroup) -> _GroupState:
+    """The group's state, created (collective) on its first call."""
+    flags = get_symm_buffer(group, FLAG_BUFFER_BYTES, torch.uint8, tag=FLAG_TAG)
+    entry = _STATES.get(group.group_name)
+    if entry is None or entry[0]() is not flags:
+        entry = (weakref.ref(flags), _GroupState(group))
+        _STATES[group.group_name] = entry
+    return entry[1]
 
 
-def _data_bytes(layout: ScatterLayout) -> int:
-    return 2 * layout.half_bytes()
-
-
-def prepare(a: torch.Tensor, b: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None) -> Buffers:
-    """The symmetric state of a call with these arguments, allocated on first use (collective over
-    `group`). Before capturing a CUDA graph, make one eager call of each shape instead: it also compiles
-    and loads the kernel, which cannot happen during a capture."""
+def prepare(
+    a: torch.Tensor, b: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None
+) -> tuple[_GroupState, SymmBuffer]:
+    """The group's state and the data buffer of a call with these arguments, allocated on first use
+    (collective over `group`), with its staging buffer. Before capturing a CUDA graph, make one eager
+    call of each shape instead: it also compiles and loads the kernels, which cannot happen during a
+    capture."""
     group = group if group is not None else dist.group.WORLD
     layout = scatter_layout(a.shape, dim, b.shape[1], dist.get_world_size(group))
-    flags = _flag_buffer(group)
-    data = get_symm_buffer(group, _data_bytes(layout), torch.uint8, tag=DATA_TAG)
+    state = _group_state(group)
+    data = get_symm_buffer(group, layout.slots_bytes(), torch.uint8, tag=DATA_TAG)
+    if data.nbytes not in state.staging:
+        state.staging[data.nbytes] = torch.empty(data.nbytes // 2, dtype=torch.bfloat16, device=a.device)
     _PREPARED.setdefault(group.group_name, set()).add(data.nbytes)
-    return Buffers(
-        data_table=data.buffer_ptrs_dev,
-        data_offset=data.base_offset,
-        data_half=data.nbytes // 2,
-        flag_table=flags.buffer_ptrs_dev,
-        flag_offset=flags.base_offset + EPOCH_SLOTS * 4,
-        flag_half=FLAGS_PER_HALF,
-        epochs=flags.view(0, EPOCH_SLOTS, torch.int32),
-        status=flags.status,
-    )
+    return state, data
 
 
 def check(group: dist.ProcessGroup | None = None) -> None:
     """Raise SymmMemTimeout (naming this rank, the op and the missing peer) if a wait of this op on
     `group` gave up; synchronizes the device. Call after a CUDA graph replay or in tests."""
     group = group if group is not None else dist.group.WORLD
-    if group.group_name in _ZEROED:
-        check_status(_flag_buffer(group), "matmul_reduce_scatter")
+    if group.group_name in _STATES:
+        check_status(_group_state(group).flags, "matmul_reduce_scatter")
 
 
 def matmul_reduce_scatter_kernel(
@@ -822,15 +780,15 @@ def matmul_reduce_scatter_kernel(
     world = dist.get_world_size(group)
     layout = scatter_layout(a.shape, dim, b.shape[1], world)
     if torch.cuda.is_current_stream_capturing() and (
-        group.group_name not in _ZEROED
-        or size_class(_data_bytes(layout)) not in _PREPARED.get(group.group_name, ())
+        group.group_name not in _STATES
+        or size_class(layout.slots_bytes()) not in _PREPARED.get(group.group_name, ())
     ):
         raise RuntimeError(
             f"matmul_reduce_scatter: no symmetric buffers for a {tuple(a.shape)} x {tuple(b.shape)} call "
             "yet, and allocating them is collective: run one eager call with these shapes before "
             "capturing the CUDA graph"
         )
-    buffers = prepare(a, b, dim, group)
+    state, data = prepare(a, b, dim, group)
     cfg = config or pick_config(layout.n)
     a = a.contiguous()
     # TMA needs 16-byte aligned bases. Copying an odd view (rare) rather than falling back keeps every
@@ -842,6 +800,10 @@ def matmul_reduce_scatter_kernel(
     a4 = a.view(layout.pieces, world, layout.rows, layout.k)
     out = torch.empty(output_shape(a.shape, dim, layout.n, world), dtype=a.dtype, device=a.device)
     num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    buffers = state.buffers(layout, cfg, data)
+    stream = torch.cuda.current_stream()
+    fork = torch.cuda.Event()
+    fork.record(stream)
     launch(
         a4,
         b,
@@ -853,6 +815,7 @@ def matmul_reduce_scatter_kernel(
         grid_size(layout, cfg, num_sms),
         int(timeout_s * 1e9),
     )
+    state.copy(stream, fork, layout, cfg, data, buffers)
     return out
 
 

@@ -206,6 +206,7 @@ class SymmBuffer:
     buffer_ptrs_dev: int  # device address of world_size uint64 buffer base addresses
     signal_pad_ptrs_dev: int  # device address of world_size uint64 signal pad addresses
     base_offset: int  # bytes from the handle's buffer base to `tensor`
+    addresses: tuple[int, ...]  # every rank's `tensor` as this process maps it (copy engines' targets)
     epoch: torch.Tensor  # int32 [MAX_PROGRAMS], local
     status: torch.Tensor  # int32 [4]: (timed out, op id, barrier, missing rank)
 
@@ -281,6 +282,10 @@ def get_symm_buffer(
         ptrs = getattr(handle, "buffer_ptrs", None)
         base_offset = tensor.data_ptr() - int(ptrs[handle.rank]) if ptrs else 0
     rank, world = handle.rank, handle.world_size
+    if shared_gpu:
+        addresses = tuple(b.data_ptr() for b in handle.buffers)
+    else:
+        addresses = tuple(int(p) + base_offset for p in ptrs) if ptrs else ()
     try:
         pad = handle.get_signal_pad(rank, [PAD_INT32S], dtype=torch.int32)
     except (TypeError, RuntimeError):
@@ -299,6 +304,7 @@ def get_symm_buffer(
         buffer_ptrs_dev=int(handle.buffer_ptrs_dev),
         signal_pad_ptrs_dev=int(handle.signal_pad_ptrs_dev),
         base_offset=base_offset,
+        addresses=addresses,
         epoch=torch.zeros(MAX_PROGRAMS.value, dtype=torch.int32, device=device),
         status=torch.zeros(4, dtype=torch.int32, device=device),
     )

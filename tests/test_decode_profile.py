@@ -63,7 +63,7 @@ NAMES = {
     "communication": [
         "_one_shot_push_kernel",
         "_two_shot_push_kernel",
-        "_matmul_rs_kernel",
+        "_matmul_rs_own_kernel",
         "_ag_matmul_kernel",
         "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)",
     ],

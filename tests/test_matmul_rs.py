@@ -4,16 +4,17 @@ CPU (Triton interpreter, gloo):
 * the tile schedule of the kernel itself (`_tile_coords`, run in a small kernel): every tile of every
   destination exactly once, destinations in the order rank + 1, ..., rank (own rows last), T tiles
   per destination (the flags each peer sets per call), the same order inside a step on every rank;
-* the whole kernel, pushes, flags, epochs and reduction included, on W simulated ranks in one process:
-  each rank's "symmetric buffers" are CPU tensors whose addresses fill the pointer tables. One call runs
-  as two launches per rank (every rank's peer steps, then every rank's own step), since a single
-  interpreted program cannot wait for another; the epochs are put back between the two launches, as
-  one launch would leave them. Up to three calls in a row (both halves, stale flags of the first call
-  seen by the third), ragged rows, K and N, several pieces (dim=1 with B > 1), both weight layouts, outputs
-  poisoned. fp16 here: the interpreter's tl.dot mishandles bf16; the GPU tests run bf16. The bounded
-  spin (inline PTX) cannot run in the interpreter: the timeout is tested on GPUs;
-* the kernel compiled for sm_90 (no GPU needed): fits in shared memory, uses wgmma and TMA loads,
-  16-byte pushes and reads, system-scope release flags, bounded acquire waits;
+* both launches, staging, chunk counters, flags and reduction included, on W simulated ranks in one
+  process: every rank's stage launch, then the copy streams' work done by the test (each counter must
+  have reached its target; each chunk copied into the destination's received slot, its flag raised
+  there), then every rank's own launch (a single interpreted program cannot wait for another). Up to
+  three calls in a row, ragged rows, K and N, several pieces (dim=1 with B > 1), both weight layouts,
+  outputs poisoned, received slots random until copied. fp16 here: the interpreter's tl.dot mishandles
+  bf16; the GPU tests run bf16. The bounded spin (inline PTX) and the copy streams (stream memory
+  operations) cannot run on a CPU: the timeout and the streams' protocol are tested on GPUs;
+* the chunks of a slot: consecutive, covering it, GROUP_M row tiles each;
+* the kernels compiled for sm_90 (no GPU needed): fit in shared memory, use wgmma and TMA loads,
+  16-byte stores and reads, released counters, bounded acquire waits;
 * layout math, input validation and the fallback rules; the reference and the fake op with gloo.
 GPU (2 and 4 ranks, NCCL beside): the registered op against torch.matmul + reduce_scatter_tensor at
 bf16 tolerance on fresh inputs, ragged N, K and rows (M/W = 129), both b layouts, dim=1 with B=2,
@@ -21,6 +22,7 @@ outputs poisoned; CUDA-graph capture with replays on fresh inputs mixed with eag
 never enters -> SymmMemTimeout naming it.
 """
 
+import itertools
 import math
 
 import pytest
@@ -99,120 +101,140 @@ def test_tile_schedule(case) -> None:
 
 
 class SimulatedWorld:
-    """W ranks' symmetric state as CPU tensors in one process: data and flag buffers per rank, their
-    address tables, epochs and status words."""
+    """W ranks' buffers as CPU tensors in one process: staging slots, counters, received slots (random
+    bytes until copied), chunk flags and status words per rank."""
 
-    def __init__(self, world: int, data_half: int, flag_half: int) -> None:
-        self.world = world
-        self.data = [torch.randint(0, 255, (2 * data_half,), dtype=torch.uint8) for _ in range(world)]
-        self.flags = [torch.zeros(2 * flag_half, dtype=torch.int32) for _ in range(world)]
-        self.data_table = torch.tensor([t.data_ptr() for t in self.data], dtype=torch.int64)
-        self.flag_table = torch.tensor([t.data_ptr() for t in self.flags], dtype=torch.int64)
-        self.epochs = [torch.zeros(mrs.EPOCH_SLOTS, dtype=torch.int32) for _ in range(world)]
-        self.status = [torch.zeros(4, dtype=torch.int32) for _ in range(world)]
-        self.data_half, self.flag_half = data_half, flag_half
+    def __init__(self, world: int, layout: mrs.ScatterLayout, config: mrs.GemmConfig) -> None:
+        self.world, self.layout, self.config = world, layout, config
+        self.chunks = layout.chunks(config)
+        slots = (world - 1) * layout.slot_numel()
+        flags = (world - 1) * len(self.chunks)
+        self.buffers = [
+            mrs.CallBuffers(
+                staging=torch.full((slots,), float("nan")).half(),
+                counters=torch.zeros(flags, dtype=torch.int32),
+                received=torch.randint(0, 255, (slots * 2,), dtype=torch.uint8).view(torch.float16),
+                flags=torch.zeros(flags, dtype=torch.int32),
+                status=torch.zeros(4, dtype=torch.int32),
+            )
+            for _ in range(world)
+        ]
 
-    def buffers(self, rank: int) -> mrs.Buffers:
-        return mrs.Buffers(
-            data_table=self.data_table.data_ptr(),
-            data_offset=0,
-            data_half=self.data_half,
-            flag_table=self.flag_table.data_ptr(),
-            flag_offset=0,
-            flag_half=self.flag_half,
-            epochs=self.epochs[rank],
-            status=self.status[rank],
-        )
+    def copy(self, rank: int) -> None:
+        """What rank `rank`'s copy streams do once every counter reached its target: each chunk of
+        staging slot `step` into the destination's received slot, then the chunk's flag there."""
+        w, n = self.world, self.layout.slot_numel()
+        src = self.buffers[rank]
+        for step in range(w - 1):
+            dest = (rank + 1 + step) % w
+            slot = (rank - dest) % w - 1
+            for c, chunk in enumerate(self.chunks):
+                counter = src.counters[step * len(self.chunks) + c]
+                assert counter.item() == chunk.target, f"rank {rank} step {step} chunk {c}: counter {counter}"
+                counter.zero_()
+                lo, hi = chunk.offset // 2, (chunk.offset + chunk.nbytes) // 2
+                received = self.buffers[dest].received[slot * n : (slot + 1) * n]
+                received[lo:hi] = src.staging[step * n + lo : step * n + hi]
+                self.buffers[dest].flags[slot * len(self.chunks) + c] = 1
 
-    def call(self, a: list[torch.Tensor], b: torch.Tensor, layout, config, num_programs: int):
-        """One matmul-reduce-scatter over the simulated ranks: peer steps of every rank, then own steps."""
+    def call(self, a: list[torch.Tensor], b: torch.Tensor, num_programs: int) -> list[torch.Tensor]:
+        """One matmul-reduce-scatter over the simulated ranks: every rank's stage launch, the copies,
+        then every rank's own launch (a single interpreted program cannot wait for another)."""
+        layout, config = self.layout, self.config
         outs = [torch.full((layout.pieces, layout.rows, layout.n), float("nan")).half() for _ in a]
-        peer_tiles = (layout.world - 1) * layout.tiles_per_dest(config)
-        total = layout.world * layout.tiles_per_dest(config)
         for r in range(self.world):
-            epochs = self.epochs[r].clone()
-            mrs.launch(
-                a[r], b, outs[r], layout, self.buffers(r), r, config, num_programs, 10**9, (0, peer_tiles)
-            )
-            self.epochs[r].copy_(epochs)
+            mrs.launch(a[r], b, outs[r], layout, self.buffers[r], r, config, num_programs, 10**9, "stage")
         for r in range(self.world):
-            mrs.launch(
-                a[r], b, outs[r], layout, self.buffers(r), r, config, num_programs, 10**9, (peer_tiles, total)
-            )
+            self.copy(r)
+        for r in range(self.world):
+            mrs.launch(a[r], b, outs[r], layout, self.buffers[r], r, config, num_programs, 10**9, "own")
+            self.buffers[r].flags.zero_()  # the reset that follows the own launch
         return outs
 
 
-MATH_CASES = [  # world, pieces, rows per destination, K, N, b as [K, N], BM BN BK, calls
-    (2, 1, 37, 40, 24, True, (16, 16, 16), 3),
-    (4, 2, 13, 24, 40, False, (16, 32, 16), 2),
-    (4, 1, 1, 16, 8, True, (16, 16, 16), 3),
-    (8, 2, 5, 8, 16, False, (16, 16, 8), 1),
+MATH_CASES = [  # world, pieces, rows per destination, K, N, b as [K, N], BM BN BK, group_m, calls
+    (2, 1, 37, 40, 24, True, (16, 16, 16), 2, 3),
+    (4, 2, 13, 24, 40, False, (16, 32, 16), 1, 2),
+    (4, 1, 1, 16, 8, True, (16, 16, 16), 2, 3),
+    (8, 2, 5, 8, 16, False, (16, 16, 8), 3, 1),
 ]
 
 
-@pytest.mark.parametrize("push_launch", [False, True])
 @pytest.mark.parametrize("case", MATH_CASES)
-def test_kernel_on_simulated_ranks(case, push_launch: bool) -> None:
-    world, pieces, rows, k, n, kn, (bm, bn, bk), calls = case
-    config = mrs.GemmConfig(bm, bn, bk, 2, 4, 2, push_launch=push_launch)
+def test_kernel_on_simulated_ranks(case) -> None:
+    world, pieces, rows, k, n, kn, (bm, bn, bk), group_m, calls = case
+    config = mrs.GemmConfig(bm, bn, bk, group_m, 4, 2)
     layout = mrs.ScatterLayout(pieces, rows, k, n, world)
-    sim = SimulatedWorld(world, layout.half_bytes(), (world - 1) * layout.tiles_per_dest(config))
+    sim = SimulatedWorld(world, layout, config)
     for call in range(calls):
         a = [torch.randn(pieces, world, rows, k).half() for _ in range(world)]
         b = torch.randn(k, n).half() if kn else torch.randn(n, k).half().t()
-        outs = sim.call(a, b, layout, config, num_programs=3)
+        outs = sim.call(a, b, num_programs=3)
         total = sum(x.float() @ b.float() for x in a)  # [P, W, R, N]: rank d keeps [:, d]
         for r in range(world):
-            assert sim.status[r].tolist() == [0, 0, 0, 0], f"rank {r}: a wait recorded a timeout"
-            assert sim.epochs[r].eq(call + 1).all(), f"rank {r}: every epoch slot advances once per call"
-            half = sim.flags[r].view(2, -1)[call % 2]
-            assert half.eq(call + 1).all(), f"rank {r}: every peer announced every tile of call {call}"
+            assert sim.buffers[r].status.tolist() == [0, 0, 0, 0], f"rank {r}: a wait recorded a timeout"
             assert not outs[r].isnan().any(), f"rank {r}, call {call}: tiles left unwritten"
             ref = total[:, r]
             err = (outs[r].float() - ref).norm() / ref.norm()
             assert err < 2e-3, f"rank {r}, call {call}: relative error {err:.2e}"
 
 
+CHUNK_CASES = [  # pieces, rows, n, config
+    (1, 300, 24, mrs.GemmConfig(16, 16, 16, 4, 4, 2)),
+    (3, 37, 40, mrs.GemmConfig(16, 32, 16, 2, 8, 2)),
+    (2, 128, 8, mrs.GemmConfig(128, 128, 64, 8, 8, 4)),
+    (5, 1, 16, mrs.GemmConfig(16, 16, 16, 3, 4, 2)),
+]
+
+
+@pytest.mark.parametrize("case", CHUNK_CASES)
+def test_chunks_tile_each_slot(case) -> None:
+    """The copies' chunks: consecutive byte ranges covering a slot exactly, GROUP_M row tiles each
+    (a piece's ragged last tile included), counter targets adding up to threads x tiles."""
+    pieces, rows, n, config = case
+    layout = mrs.ScatterLayout(pieces, rows, 16, n, 2)
+    chunks = layout.chunks(config)
+    assert chunks[0].offset == 0
+    for before, after in itertools.pairwise(chunks):
+        assert before.offset + before.nbytes == after.offset, "chunks are consecutive"
+    assert chunks[-1].offset + chunks[-1].nbytes == layout.slot_numel() * 2, "chunks cover the slot"
+    assert len(chunks) == math.ceil(layout.row_tiles(config) / config.group_m)
+    assert sum(c.target for c in chunks) == layout.tiles_per_dest(config) * config.threads
+
+
 def test_launch_validates_its_arguments() -> None:
     layout = mrs.ScatterLayout(1, 16, 16, 8, 2)
     config = mrs.GemmConfig(16, 16, 16, 1, 4, 1)
-    sim = SimulatedWorld(2, layout.half_bytes(), layout.tiles_per_dest(config))
+    sim = SimulatedWorld(2, layout, config)
+    buffers = sim.buffers[0]
     a = torch.zeros(1, 2, 16, 16).half()
     b = torch.zeros(16, 8).half()
     out = torch.zeros(1, 16, 8).half()
     with pytest.raises(ValueError, match="contiguous"):
-        mrs.launch(a[:, :1], b, out, layout, sim.buffers(0), 0, config, 1, 1)
+        mrs.launch(a[:, :1], b, out, layout, buffers, 0, config, 1, 1)
     with pytest.raises(ValueError, match="neither"):
-        mrs.launch(a, torch.zeros(16, 16).half()[:, ::2], out, layout, sim.buffers(0), 0, config, 1, 1)
-    with pytest.raises(ValueError, match="flags"):
-        mrs.launch(a, b, out, layout, sim.buffers(0), 0, mrs.GemmConfig(8, 16, 16, 1, 4, 1), 1, 1)
+        mrs.launch(a, torch.zeros(16, 16).half()[:, ::2], out, layout, buffers, 0, config, 1, 1)
     with pytest.raises(ValueError, match="num_programs"):
-        mrs.launch(a, b, out, layout, sim.buffers(0), 0, config, mrs.EPOCH_SLOTS + 1, 1)
-    with pytest.raises(ValueError, match="tile range"):
-        mrs.launch(a, b, out, layout, sim.buffers(0), 0, config, 1, 1, (0, 3))
-    # Two row tiles per destination: the push launch takes both of the peer's, never one.
-    layout = mrs.ScatterLayout(1, 32, 16, 8, 2)
-    pushes = mrs.GemmConfig(16, 16, 16, 1, 4, 1, push_launch=True)
-    sim = SimulatedWorld(2, layout.half_bytes(), layout.tiles_per_dest(pushes))
-    a, out = torch.zeros(1, 2, 32, 16).half(), torch.zeros(1, 32, 8).half()
-    with pytest.raises(ValueError, match="push_launch"):
-        mrs.launch(a, b, out, layout, sim.buffers(0), 0, pushes, 1, 1, (1, 4))
+        mrs.launch(a, b, out, layout, buffers, 0, config, 0, 1)
+    with pytest.raises(ValueError, match="part"):
+        mrs.launch(a, b, out, layout, buffers, 0, config, 1, 1, "pushes")
+    with pytest.raises(ValueError, match="counters must be contiguous, at least 2"):
+        mrs.launch(a, b, out, layout, buffers, 0, mrs.GemmConfig(8, 16, 16, 1, 4, 1), 1, 1)
 
 
 ALONE_CASES = [  # world, rank, a's shape, dim, N, b as [K, N], config
     (2, 0, (74, 40), 0, 24, True, mrs.GemmConfig(16, 16, 16, 2, 4, 2)),
     (4, 3, (2, 52, 24), 1, 40, False, mrs.GemmConfig(16, 32, 16, 1, 4, 2)),
     (8, 5, (3, 16, 16), 1, 16, True, mrs.GemmConfig(16, 16, 8, 4, 4, 3)),
-    (4, 1, (2, 52, 24), 1, 40, False, mrs.GemmConfig(16, 32, 16, 1, 4, 2, push_launch=True)),
-    (2, 1, (74, 40), 0, 24, True, mrs.GemmConfig(16, 16, 16, 2, 4, 2, push_launch=True)),
+    (4, 1, (2, 52, 24), 1, 40, False, mrs.GemmConfig(16, 32, 16, 2, 8, 2)),
 ]
 
 
 @pytest.mark.parametrize("case", ALONE_CASES)
 def test_gemm_alone_equals_matmul(case) -> None:
     """The GEMM of a call with the communication taken out (what `--gemm-alone` times): own rows equal
-    this rank's rows of a @ b, every peer's rows were pushed into its local buffer; two runs (both
-    buffer halves), the output poisoned before each."""
+    this rank's rows of a @ b, every peer's rows were staged; two runs, the output poisoned before
+    each."""
     world, rank, shape, dim, n, kn, config = case
     a = torch.randn(shape).half()
     b = torch.randn(shape[-1], n).half() if kn else torch.randn(n, shape[-1]).half().t()
@@ -223,7 +245,6 @@ def test_gemm_alone_equals_matmul(case) -> None:
         alone.out.fill_(float("nan"))
         out = alone.run()
         assert alone.buffers.status.tolist() == [0, 0, 0, 0], "a wait recorded a timeout"
-        assert alone.epochs.eq(run + 1).all(), "every epoch slot advances once per run"
         expect = {rank: out.view(layout.pieces, layout.rows, n)}
         expect.update({d: alone.pushed(d) for d in range(world) if d != rank})
         for d, got in expect.items():
@@ -254,52 +275,39 @@ def _descriptors(config: mrs.GemmConfig, b_kn: bool) -> dict[str, str]:
     }
 
 
-_STATE = {
-    "data_table": "i64", "data_offset": "i64", "data_half": "i64", "flag_table": "i64",
-    "flag_offset": "i64", "flag_half": "i32", "epoch_ptr": "*i32",
-}  # fmt: skip
-
-
 def _compile_sm90(
     kernel, world: int, config: mrs.GemmConfig, b_kn: bool, n16: bool, args: dict, consts: dict
 ) -> str:
     """PTX of one of the module's kernels for sm_90, with the signature and specialization a launch
     gives (Triton marks an integer argument divisible by 16 when it is: N = 1000 is not)."""
-    sig = {**_descriptors(config, b_kn), **args}
+    sig = {**_descriptors(config, b_kn), **args, "k": "i32", "rows": "i32", "n": "i32", "pieces": "i32",
+           "chunks": "i32"}  # fmt: skip
     const = {"RANK": world - 1, "WORLD": world, "BM": config.block_m, "BN": config.block_n,
              "BK": config.block_k, "GROUP_M": config.group_m, "B_KN": b_kn, "pieces": 1,
              **consts}  # fmt: skip
-    aligned = [a for a in ("out_ptr", "epoch_ptr", "status_ptr", "claim_ptr", "k", "rows") if a in sig]
+    aligned = [a for a in sig if a.endswith("_ptr")] + ["k", "rows"]
     return compile_ptx(
         kernel, sig, const, aligned + ["n"] * n16, num_warps=config.num_warps, num_stages=config.num_stages
     )
 
 
-def _compile_one_launch(world: int, config: mrs.GemmConfig, b_kn: bool, n16: bool) -> str:
-    args = {"out_ptr": "*bf16", **_STATE, "status_ptr": "*i32", "claim_ptr": "*i32", "timeout_ns": "i64",
-            "k": "i32", "rows": "i32", "n": "i32", "pieces": "i32", "tile_begin": "i32",
-            "tile_end": "i32"}  # fmt: skip
-    return _compile_sm90(mrs._matmul_rs_kernel, world, config, b_kn, n16, args, {"OP_ID": 1})
-
-
-def _compile_push(world: int, config: mrs.GemmConfig, b_kn: bool, n16: bool) -> str:
-    args = {**_STATE, "k": "i32", "rows": "i32", "n": "i32", "pieces": "i32"}
-    consts = {"DT": tl.bfloat16, "TILES_PER_PROGRAM": 8, "PDL": True}
-    return _compile_sm90(mrs._matmul_rs_push_kernel, world, config, b_kn, n16, args, consts)
+def _compile_stage(world: int, config: mrs.GemmConfig, b_kn: bool, n16: bool) -> str:
+    args = {"staging_ptr": "*bf16", "counters_ptr": "*i32"}
+    consts = {"THREADS": config.threads, "PDL": True}
+    return _compile_sm90(mrs._matmul_rs_stage_kernel, world, config, b_kn, n16, args, consts)
 
 
 def _compile_own(world: int, config: mrs.GemmConfig, b_kn: bool, n16: bool) -> str:
-    args = {"out_ptr": "*bf16", **_STATE, "status_ptr": "*i32", "timeout_ns": "i64", "k": "i32",
-            "rows": "i32", "n": "i32", "pieces": "i32"}  # fmt: skip
-    consts = {"OP_ID": 1, "AFTER_PUSHES": True, "SPIN": True}
+    args = {"out_ptr": "*bf16", "recv_ptr": "*bf16", "flags_ptr": "*i32", "status_ptr": "*i32",
+            "timeout_ns": "i64"}  # fmt: skip
+    consts = {"OP_ID": 1, "AFTER_STAGE": True, "SPIN": True}
     return _compile_sm90(mrs._matmul_rs_own_kernel, world, config, b_kn, n16, args, consts)
 
 
 def check_sm90_ptx() -> None:
-    """Compile the kernels a config launches for sm_90, with the table's configs and every config the
-    benchmark sweeps (nn.Linear layout, as the benchmark runs them), and check the PTX has what the
-    design relies on. Runs in a process without TRITON_INTERPRET (the interpreter replaces
-    @triton.jit)."""
+    """Compile both kernels for sm_90, with the table's configs and every config the benchmark sweeps
+    (nn.Linear layout, as the benchmark runs them), and check the PTX has what the design relies on.
+    Runs in a process without TRITON_INTERPRET (the interpreter replaces @triton.jit)."""
     from benchmarks.bench_matmul_rs import SWEEP
 
     cases = [(4, 4096, False, True), (2, 1024, True, True), (8, 8192, True, True), (4, 1000, False, False)]
@@ -307,29 +315,20 @@ def check_sm90_ptx() -> None:
     configs += [(4, config, False, True) for config in SWEEP]
     for world, config, b_kn, n16 in configs:
         what = f"world {world} {config} kn={b_kn} N%16==0: {n16}"
-        if config.push_launch:
-            ptx = _compile_push(world, config, b_kn, n16)
-            assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, f"{what}: push kernel: no wgmma / TMA"
-            assert "st.global.v4" in ptx, f"{what}: pushes not 16-byte"
-            released = "atom.global.sys.release" in ptx or "atom.release.sys" in ptx
-            assert released, f"{what}: push kernel: flags not released at system scope"
-            assert "griddepcontrol.launch_dependents" in ptx, f"{what}: the own-rows launch cannot overlap"
-            log = ptxas_log(ptx)
-            assert "serialized" not in log and spill_stores(log) == 0, f"{what}: push kernel: {log}"
-            ptx = _compile_own(world, config, b_kn, n16)
-            assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, f"{what}: own kernel: no wgmma / TMA"
-            assert "ld.global.cg.v4" in ptx, f"{what}: own kernel: partials not read in 16-byte vectors"
-            assert "ld.acquire.sys" in ptx and "%globaltimer" in ptx, f"{what}: own kernel: unbounded waits"
-            assert "griddepcontrol.wait" in ptx, f"{what}: own kernel: does not wait for the push launch"
-            log = ptxas_log(ptx)
-            assert "serialized" not in log and spill_stores(log) == 0, f"{what}: own kernel: {log}"
-        else:
-            ptx = _compile_one_launch(world, config, b_kn, n16)
-            assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, f"{what}: no wgmma / TMA loads"
-            assert "st.global.v4" in ptx and "ld.global.cg.v4" in ptx, f"{what}: pushes and reads not 16-byte"
-            released = "atom.global.sys.release" in ptx or "atom.release.sys" in ptx
-            assert released, f"{what}: no system release"
-            assert "ld.acquire.sys" in ptx and "%globaltimer" in ptx, f"{what}: unbounded waits"
+        ptx = _compile_stage(world, config, b_kn, n16)
+        assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, f"{what}: stage kernel: no wgmma / TMA"
+        assert "st.global.v4" in ptx, f"{what}: staging stores not 16-byte"
+        assert "atom.release.gpu" in ptx or "atom.global.gpu.release" in ptx, f"{what}: counters not released"
+        assert "griddepcontrol.launch_dependents" in ptx, f"{what}: the own-rows launch cannot overlap"
+        log = ptxas_log(ptx)
+        assert "serialized" not in log and spill_stores(log) == 0, f"{what}: stage kernel: {log}"
+        ptx = _compile_own(world, config, b_kn, n16)
+        assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, f"{what}: own kernel: no wgmma / TMA"
+        assert "ld.global.cg.v4" in ptx, f"{what}: own kernel: partials not read in 16-byte vectors"
+        assert "ld.acquire.sys" in ptx and "%globaltimer" in ptx, f"{what}: own kernel: unbounded waits"
+        assert "griddepcontrol.wait" in ptx, f"{what}: own kernel: may end before the stage launch"
+        log = ptxas_log(ptx)
+        assert "serialized" not in log and spill_stores(log) == 0, f"{what}: own kernel: {log}"
 
 
 def test_kernel_compiles_for_sm90() -> None:
@@ -351,7 +350,7 @@ def test_scatter_layout() -> None:
         mrs.scatter_layout((2, 6, 16), 1, 8, 4)
     layout = mrs.ScatterLayout(2, 129, 64, 1000, 4)
     assert layout.tiles_per_dest(mrs.GemmConfig(128, 128, 64, 8, 8, 3)) == 2 * 2 * 8
-    assert layout.half_bytes() == 3 * 2 * 129 * 1000 * 2
+    assert layout.slots_bytes() == 3 * 2 * 129 * 1000 * 2
 
 
 def test_check_inputs_and_fallback_rules() -> None:
@@ -374,10 +373,17 @@ def test_check_inputs_and_fallback_rules() -> None:
     assert "multiple of 8" in mrs.fallback_reason(a, w[:92].t(), 1, 2)
     assert "neither" in mrs.fallback_reason(a, w.t()[:, ::2], 1, 2)
     assert "empty" in mrs.fallback_reason(a[:, :0], w.t(), 1, 2)
-    big = torch.empty(1 << 20, 8, dtype=torch.bfloat16, device="meta")
-    assert "flags" in mrs.fallback_reason(
-        big, torch.empty(8, 1 << 16, dtype=torch.bfloat16, device="meta"), 0, 8
-    )
+    big = torch.empty(1 << 30, 8, dtype=torch.bfloat16, device="meta")
+    assert "chunks" in mrs.fallback_reason(big, torch.empty(8, 64, dtype=torch.bfloat16, device="meta"), 0, 2)
+
+
+def test_one_hardware_queue_falls_back(monkeypatch) -> None:
+    a = torch.zeros(16, 64, dtype=torch.bfloat16)
+    w = torch.zeros(96, 64, dtype=torch.bfloat16)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in mrs.fallback_reason(a, w.t(), 0, 2)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    assert mrs.fallback_reason(a, w.t(), 0, 2) is None
 
 
 def test_pick_config_and_dispatch() -> None:
