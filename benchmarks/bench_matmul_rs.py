@@ -30,8 +30,9 @@ from benchmarks import gemm_comm
 from kernels import matmul_rs as mrs
 
 SHAPES = [(8192, 3584, 4096), (16384, 7168, 8192), (4096, 4096, 7168), (16384, 14336, 8192)]
-# What else was swept (tiles 128x128, 64x256, 128x256x32, two programs per SM, TMA stores for SM pushes)
-# and lost: benchmarks/results/matmul_rs_gemm-h100.md. group_m also sets the copies' chunks.
+# What else was swept (tiles 128x128, 64x256, 128x256x32, two programs per SM, TMA stores for the pushes
+# and for the staging) and lost: benchmarks/results/matmul_rs_gemm-h100.md. group_m also sets the
+# copies' chunks.
 SWEEP = [
     mrs.GemmConfig(128, 256, 64, 4, 8, 4),
     mrs.GemmConfig(128, 256, 64, 16, 8, 4),

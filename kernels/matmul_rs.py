@@ -330,14 +330,16 @@ def _matmul_rs_stage_kernel(
     GROUP_M: tl.constexpr, B_KN: tl.constexpr, THREADS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Persistent GEMM over the peers' tiles [0, (W - 1) * T) of `_tile_coords`' order, program i
-    taking tiles i, i + G, ...: each tile's partial goes to staging slot `step`, then each of the
-    program's THREADS threads adds 1 to the tile's chunk counter (release: its own stores first). It
-    never waits, so Triton flattens the loop: a tile's stores drain while the next tile's loads are in
-    flight. With PDL the own-rows launch may take each SM this one leaves."""
+    taking tiles i, i + G, ...: each tile's partial goes to staging slot `step` (pointer stores: TMA
+    stores measured no faster, matmul_rs_gemm-h100.md), then each of the program's THREADS threads adds
+    1 to the tile's chunk counter (release: its own stores first). It never waits, so Triton flattens
+    the loop: a tile's stores drain while the next tile's loads are in flight. With PDL the own-rows
+    launch may take each SM this one leaves."""
     if PDL:
         gdc_launch_dependents()
     pid = tl.program_id(0)
     BH: tl.constexpr = BN // 2
+    DT: tl.constexpr = staging_ptr.dtype.element_ty
     n, row_tiles_per_piece, row_tiles, n_tiles, tiles_per_dest, slot_numel, k_tiles = _geometry(
         k, rows, n, pieces, BM, BN, BK
     )
@@ -351,9 +353,9 @@ def _matmul_rs_stage_kernel(
         left, right = _product(a_desc, b_desc, piece * WORLD + dest, row0, n0, k_tiles, BM, BN, BK, B_KN)
         slot = staging_ptr + step * slot_numel
         ptrs, mask = _tile_ptrs(slot, piece, row0, n0, rows, n, BM, BH)
-        tl.store(ptrs, left.to(staging_ptr.dtype.element_ty), mask=mask)
+        tl.store(ptrs, left.to(DT), mask=mask)
         ptrs, mask = _tile_ptrs(slot, piece, row0, n0 + BH, rows, n, BM, BH)
-        tl.store(ptrs, right.to(staging_ptr.dtype.element_ty), mask=mask)
+        tl.store(ptrs, right.to(DT), mask=mask)
         counter = counters_ptr + step * chunks + m // GROUP_M
         tl.atomic_add(counter + ones * 0, ones, sem="release", scope="gpu")
 
@@ -657,10 +659,21 @@ def fallback_reason(
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class _CopyPlan:
+    """A call shape's memory and copies, as device addresses computed once: per copy stream, the credit
+    word it waits on and (counter, target, destination, source, bytes, flag) per chunk; the credit
+    words in the peers' flag buffers this rank grants."""
+
+    buffers: CallBuffers
+    steps: tuple[tuple[int, tuple[tuple[int, int, int, int, int, int], ...]], ...]
+    grants: tuple[int, ...]
+
+
 class _GroupState:
     """What every call of a group shares on this rank: the flag buffer ([credits | chunk flags of the W
     - 1 received slots], int32, symmetric), the chunk counters (local), one copy stream per peer step,
-    and a staging buffer per size class (local)."""
+    a staging buffer per size class (local) and a copy plan per call shape."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -671,59 +684,72 @@ class _GroupState:
         self.counters = torch.zeros((self.world - 1) * MAX_CHUNKS, dtype=torch.int32, device=words.device)
         self.streams = [torch.cuda.Stream() for _ in range(self.world - 1)]
         self.staging: dict[int, torch.Tensor] = {}
+        self.plans: dict[tuple[ScatterLayout, GemmConfig, int], _CopyPlan] = {}
+        # Recorded anew by every call: a wait uses the record made last before it.
+        self.fork = torch.cuda.Event()
+        self.joins = [torch.cuda.Event() for _ in self.streams]
         torch.cuda.synchronize()
         dist.barrier(group=group)  # every credit and flag set before any peer copies or signals
 
-    def buffers(self, layout: ScatterLayout, config: GemmConfig, data: SymmBuffer) -> CallBuffers:
-        chunks = layout.chunk_count(config)
-        flags = self.flags.view(CREDITS * 4, (self.world - 1) * chunks, torch.int32)
-        return CallBuffers(
+    def plan(self, layout: ScatterLayout, config: GemmConfig, data: SymmBuffer) -> _CopyPlan:
+        key = (layout, config, data.nbytes)
+        if key not in self.plans:
+            self.plans[key] = self._make_plan(layout, config, data)
+        return self.plans[key]
+
+    def _make_plan(self, layout: ScatterLayout, config: GemmConfig, data: SymmBuffer) -> _CopyPlan:
+        chunks = layout.chunks(config)
+        w, slot_bytes = self.world, layout.slot_numel() * 2
+        buffers = CallBuffers(
             staging=self.staging[data.nbytes],
-            counters=self.counters[: (self.world - 1) * chunks],
-            received=data.view(0, (self.world - 1) * layout.slot_numel(), torch.bfloat16),
-            flags=flags,
+            counters=self.counters[: (w - 1) * len(chunks)],
+            received=data.view(0, (w - 1) * layout.slot_numel(), torch.bfloat16),
+            flags=self.flags.view(CREDITS * 4, (w - 1) * len(chunks), torch.int32),
             status=self.flags.status,
         )
-
-    def copy(self, stream: torch.cuda.Stream, fork: torch.cuda.Event, layout: ScatterLayout,
-             config: GemmConfig, data: SymmBuffer, buffers: CallBuffers) -> None:  # fmt: skip
-        """Queue the call's copies and signals. The copy streams start at `fork`, recorded on `stream`
-        before the launches: a fork after them would wait for the own launch, which waits for the
-        peers' copies, which wait for theirs. Call it after both launches (kernels/stream_ops.py: lazy
-        loading). `stream` then resets this rank's chunk flags, grants every peer its credit and waits
-        for the copy streams."""
-        chunks = layout.chunks(config)
-        slot_bytes = layout.slot_numel() * 2
         credits = self.flags.addresses[self.rank]
-        joins = []
-        for step, copies in enumerate(self.streams):
-            dest = (self.rank + 1 + step) % self.world
-            slot = (self.rank - dest) % self.world - 1  # this rank's slot in dest's buffers
-            copies.wait_event(fork)
-            handle = copies.cuda_stream
-            stream_ops.wait_geq(handle, credits + 4 * dest, 1)
-            stream_ops.write(handle, credits + 4 * dest, 0)
+        steps = []
+        for step in range(w - 1):
+            dest = (self.rank + 1 + step) % w
+            slot = (self.rank - dest) % w - 1  # this rank's slot in dest's buffers
             peer_flags = self.flags.addresses[dest] + 4 * (CREDITS + slot * len(chunks))
-            for c, chunk in enumerate(chunks):
-                counter = buffers.counters[step * len(chunks) + c].data_ptr()
-                stream_ops.wait_geq(handle, counter, chunk.target)
-                stream_ops.write(handle, counter, 0)
-                stream_ops.copy(
-                    handle,
+            ops = tuple(
+                (
+                    buffers.counters.data_ptr() + 4 * (step * len(chunks) + c),
+                    chunk.target,
                     data.addresses[dest] + slot * slot_bytes + chunk.offset,
                     buffers.staging.data_ptr() + step * slot_bytes + chunk.offset,
                     chunk.nbytes,
+                    peer_flags + 4 * c,
                 )
-                stream_ops.write(handle, peer_flags + 4 * c, 1)
-            join = torch.cuda.Event()
+                for c, chunk in enumerate(chunks)
+            )
+            steps.append((credits + 4 * dest, ops))
+        grants = tuple(self.flags.addresses[d] + 4 * self.rank for d in range(w) if d != self.rank)
+        return _CopyPlan(buffers=buffers, steps=tuple(steps), grants=grants)
+
+    def copy(self, stream: torch.cuda.Stream, plan: _CopyPlan) -> None:
+        """Queue the call's copies and signals. The copy streams start at `self.fork`, which the caller
+        recorded on `stream` before the launches: a fork after them would wait for the own launch,
+        which waits for the peers' copies, which wait for theirs. Call it after both launches
+        (kernels/stream_ops.py: lazy loading). `stream` then resets this rank's chunk flags, grants
+        every peer its credit and waits for the copy streams."""
+        for copies, join, (credit, ops) in zip(self.streams, self.joins, plan.steps, strict=True):
+            copies.wait_event(self.fork)
+            handle = copies.cuda_stream
+            stream_ops.wait_geq(handle, credit, 1)
+            stream_ops.write(handle, credit, 0)
+            for counter, target, dst, src, nbytes, flag in ops:
+                stream_ops.wait_geq(handle, counter, target)
+                stream_ops.write(handle, counter, 0)
+                stream_ops.copy(handle, dst, src, nbytes)
+                stream_ops.write(handle, flag, 1)
             join.record(copies)
-            joins.append(join)
         handle = stream.cuda_stream
-        stream_ops.fill(handle, buffers.flags.data_ptr(), 0, buffers.flags.numel())
-        for dest in range(self.world):
-            if dest != self.rank:
-                stream_ops.write(handle, self.flags.addresses[dest] + 4 * self.rank, 1)
-        for join in joins:
+        stream_ops.fill(handle, plan.buffers.flags.data_ptr(), 0, plan.buffers.flags.numel())
+        for grant in plan.grants:
+            stream_ops.write(handle, grant, 1)
+        for join in self.joins:
             stream.wait_event(join)
 
 
@@ -800,22 +826,21 @@ def matmul_reduce_scatter_kernel(
     a4 = a.view(layout.pieces, world, layout.rows, layout.k)
     out = torch.empty(output_shape(a.shape, dim, layout.n, world), dtype=a.dtype, device=a.device)
     num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
-    buffers = state.buffers(layout, cfg, data)
+    plan = state.plan(layout, cfg, data)
     stream = torch.cuda.current_stream()
-    fork = torch.cuda.Event()
-    fork.record(stream)
+    state.fork.record(stream)
     launch(
         a4,
         b,
         out.view(layout.pieces, layout.rows, layout.n),
         layout,
-        buffers,
+        plan.buffers,
         dist.get_rank(group),
         cfg,
         grid_size(layout, cfg, num_sms),
         int(timeout_s * 1e9),
     )
-    state.copy(stream, fork, layout, cfg, data, buffers)
+    state.copy(stream, plan)
     return out
 
 
