@@ -37,10 +37,10 @@ n. A captured call cannot know how many eager calls will precede a replay, so ca
 region 2 and keep the exit barrier (no peer still reads the region when the next captured call writes
 it).
 
-Flags are a fresh zeroed uint32 tensor per call, written by `cuStreamWriteValue32` (eager; it fences
-before the write) or `cuMemsetD32Async` (under CUDA-graph capture, where the former cannot be
-captured); copies and flag writes are memory operations of the stream (copy engines, as PyTorch's own
-async-TP relies on), no kernel: the GEMM that waits for them cannot starve them of SMs.
+Flags are a fresh zeroed uint32 tensor per call, written by `cuStreamWriteValue32` (it fences before
+the write; kernels/stream_ops.py), eager and under CUDA-graph capture alike; copies and flag writes are
+memory operations of the stream (copy engines, as PyTorch's own async-TP relies on), no kernel: the GEMM
+that waits for them cannot starve them of SMs.
 The barriers are the epoch barriers of kernels/symm_mem.py (bounded, device-side state), so eager
 calls and graph replays mix.
 
@@ -79,6 +79,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kernels import stream_ops
 from kernels.symm_mem import (
     DEFAULT_TIMEOUT_S,
     INTERPRETED,
@@ -615,13 +616,9 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def _set_flag(flags: torch.Tensor, index: int) -> None:
-    """flags[index] = 1 on the current stream, after the stream's earlier copies (memory engine)."""
-    from torch._C._distributed_c10d import _SymmetricMemory
-
-    if torch.cuda.is_current_stream_capturing():
-        _SymmetricMemory.memset32(flags, offset=index, val=1, count=1)
-    else:
-        _SymmetricMemory.stream_write_value32(flags, index, 1)
+    """flags[index] = 1 on the current stream, after the stream's earlier copies (a stream memory
+    operation: no kernel, and captured into CUDA graphs like the copies)."""
+    stream_ops.write(torch.cuda.current_stream().cuda_stream, flags.data_ptr() + 4 * index, 1)
 
 
 def _run_barrier(buf: SymmBuffer, timeout_ns: int) -> None:
@@ -709,8 +706,7 @@ def all_gather_matmul_kernel(
     side = _side_stream(device)
     a = torch.empty(layout.gathered_shape(a_shard.shape, dim), dtype=a_shard.dtype, device=device)
     outs = [torch.empty((*a.shape[:-1], b.shape[1]), dtype=a.dtype, device=device) for b in bs]
-    # One slot more than needed: some torch versions refuse memset32 on a tensor's last element.
-    flags = torch.zeros(world * splits + 1, dtype=torch.uint32, device=device)
+    flags = torch.zeros(world * splits, dtype=torch.uint32, device=device)
     a4 = a.view(layout.pieces, world, layout.rows, layout.k)
     mine = buf.view(region, shard.numel(), shard.dtype).view_as(shard)
 
