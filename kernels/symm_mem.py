@@ -5,7 +5,9 @@ Host side
 ---------
 * `get_symm_buffer(group, nbytes, dtype)`: a symmetric buffer per (group name, size class, dtype, tag),
   allocated once with `torch.distributed._symmetric_memory.empty` and rendezvoused, with its device
-  pointer tables (`buffer_ptrs_dev`, `signal_pad_ptrs_dev`), a per-rank epoch array and a status word.
+  pointer tables (`buffer_ptrs_dev`, `signal_pad_ptrs_dev`), every rank's buffer address as this
+  process maps it (`addresses`: for copy engines and stream memory operations, kernels/stream_ops.py),
+  a per-rank epoch array and a status word.
 * Shared-GPU mode: when ranks of the group share a GPU (more ranks than GPUs, to test the kernels on
   one GPU), torch's rendezvous refuses the group ("allocations from overlapping devices"), so each
   rank allocates its buffer and signal pad with the caching allocator and maps its peers' with CUDA
