@@ -521,7 +521,7 @@ class GemmAlone:
     launches as the call (`launch`), in one process without a process group: what `--gemm-alone` in the
     benchmarks times beside torch.matmul on the same operands.
 
-    `run()` returns the output shard (preallocated, rewritten by every run); `pushed(dest)` the partial
+    `run()` returns the output shard (preallocated, rewritten by every run); `staged(dest)` the partial
     of destination `dest`'s rows the last run staged. `num_sms` (default: the device's) caps the grid."""
 
     def __init__(
@@ -570,12 +570,12 @@ class GemmAlone:
         self.runs += 1
         return self.out
 
-    def pushed(self, dest: int) -> torch.Tensor:
+    def staged(self, dest: int) -> torch.Tensor:
         """[P, R, N]: the partial of `dest`'s rows that the last run staged for `dest`."""
         if dest == self.rank or not 0 <= dest < self.layout.world:
-            raise ValueError(f"rank {self.rank} pushes to the other ranks of {self.layout.world}, not {dest}")
+            raise ValueError(f"rank {self.rank} stages for the peers in {self.layout.world}, not {dest}")
         if not self.runs:
-            raise ValueError("nothing pushed yet: call run() first")
+            raise ValueError("nothing staged yet: call run() first")
         step = (dest - self.rank) % self.layout.world - 1
         n = self.layout.slot_numel()
         slot = self.buffers.staging[step * n : (step + 1) * n]

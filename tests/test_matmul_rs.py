@@ -246,7 +246,7 @@ def test_gemm_alone_equals_matmul(case) -> None:
         out = alone.run()
         assert alone.buffers.status.tolist() == [0, 0, 0, 0], "a wait recorded a timeout"
         expect = {rank: out.view(layout.pieces, layout.rows, n)}
-        expect.update({d: alone.pushed(d) for d in range(world) if d != rank})
+        expect.update({d: alone.staged(d) for d in range(world) if d != rank})
         for d, got in expect.items():
             assert not got.isnan().any(), f"run {run}, rows of rank {d}: tiles left unwritten"
             err = (got.float() - product[:, d]).norm() / product[:, d].norm()
@@ -259,9 +259,9 @@ def test_gemm_alone_validates() -> None:
         mrs.GemmAlone(a, b, 0, 4, 4, num_sms=1)
     alone = mrs.GemmAlone(a, b, 0, 1, 4, num_sms=1)
     with pytest.raises(ValueError, match="call run"):
-        alone.pushed(0)
+        alone.staged(0)
     with pytest.raises(ValueError, match="not 1"):
-        alone.pushed(1)
+        alone.staged(1)
 
 
 # ------------------------------------------------------------------------------------ CPU: sm_90 build
@@ -560,7 +560,7 @@ def test_matmul_rs_gpu(world: int) -> None:
 def test_gemm_alone_gpu() -> None:
     """On one GPU, bf16: the kernel alone (what `--gemm-alone` times), pushes into local memory, with the
     table's config and every config of the benchmark's sweep, ragged rows (M/W = 129), K and N, against
-    torch.matmul: own rows and every pushed partial; the output poisoned."""
+    torch.matmul: own rows and every staged partial; the output poisoned."""
     from benchmarks.bench_matmul_rs import SWEEP
 
     torch.manual_seed(0)
@@ -573,7 +573,7 @@ def test_gemm_alone_gpu() -> None:
             alone = mrs.GemmAlone(a, b, 0, rank, world, config)
             alone.out.fill_(float("nan"))
             got = {rank: alone.run().view(129, n)}
-            got.update({d: alone.pushed(d)[0] for d in range(world) if d != rank})
+            got.update({d: alone.staged(d)[0] for d in range(world) if d != rank})
             for d, out in got.items():
                 assert not out.isnan().any(), f"{alone.config} N={n}, rows of rank {d}: tiles left unwritten"
                 err = ((out.float() - product[d]).norm() / product[d].norm()).item()
