@@ -659,6 +659,46 @@ def fallback_reason(
     return None
 
 
+CopyOp = tuple[int, int, int, int, int, int]  # counter, target, destination, source, bytes, flag
+
+
+def copy_plan(
+    layout: ScatterLayout,
+    config: GemmConfig,
+    rank: int,
+    received: Sequence[int],
+    flag_buffers: Sequence[int],
+    staging: int,
+    counters: int,
+) -> tuple[tuple[tuple[int, tuple[CopyOp, ...]], ...], tuple[int, ...]]:
+    """The addresses of one call's copies and signals on rank `rank`: per copy stream (step s, whose
+    destination is rank + 1 + s), the credit word it takes and (counter, target, destination, source,
+    bytes, flag) of each chunk; then the credit words this rank grants its peers after its own launch.
+    `received[d]` and `flag_buffers[d]` are rank d's received slots and flag buffer ([credits | chunk
+    flags]) as this process maps them; `staging` and `counters` are this rank's."""
+    chunks = layout.chunks(config)
+    w, slot_bytes = layout.world, layout.slot_numel() * 2
+    steps = []
+    for step in range(w - 1):
+        dest = (rank + 1 + step) % w
+        slot = (rank - dest) % w - 1  # this rank's slot in dest's buffers
+        peer_flags = flag_buffers[dest] + 4 * (CREDITS + slot * len(chunks))
+        ops = tuple(
+            (
+                counters + 4 * (step * len(chunks) + c),
+                chunk.target,
+                received[dest] + slot * slot_bytes + chunk.offset,
+                staging + step * slot_bytes + chunk.offset,
+                chunk.nbytes,
+                peer_flags + 4 * c,
+            )
+            for c, chunk in enumerate(chunks)
+        )
+        steps.append((flag_buffers[rank] + 4 * dest, ops))
+    grants = tuple(flag_buffers[d] + 4 * rank for d in range(w) if d != rank)
+    return tuple(steps), grants
+
+
 @dataclasses.dataclass(frozen=True)
 class _CopyPlan:
     """A call shape's memory and copies, as device addresses computed once: per copy stream, the credit
@@ -666,7 +706,7 @@ class _CopyPlan:
     words in the peers' flag buffers this rank grants."""
 
     buffers: CallBuffers
-    steps: tuple[tuple[int, tuple[tuple[int, int, int, int, int, int], ...]], ...]
+    steps: tuple[tuple[int, tuple[CopyOp, ...]], ...]
     grants: tuple[int, ...]
 
 
@@ -698,35 +738,19 @@ class _GroupState:
         return self.plans[key]
 
     def _make_plan(self, layout: ScatterLayout, config: GemmConfig, data: SymmBuffer) -> _CopyPlan:
-        chunks = layout.chunks(config)
-        w, slot_bytes = self.world, layout.slot_numel() * 2
+        w, chunks = self.world, layout.chunk_count(config)
         buffers = CallBuffers(
             staging=self.staging[data.nbytes],
-            counters=self.counters[: (w - 1) * len(chunks)],
+            counters=self.counters[: (w - 1) * chunks],
             received=data.view(0, (w - 1) * layout.slot_numel(), torch.bfloat16),
-            flags=self.flags.view(CREDITS * 4, (w - 1) * len(chunks), torch.int32),
+            flags=self.flags.view(CREDITS * 4, (w - 1) * chunks, torch.int32),
             status=self.flags.status,
         )
-        credits = self.flags.addresses[self.rank]
-        steps = []
-        for step in range(w - 1):
-            dest = (self.rank + 1 + step) % w
-            slot = (self.rank - dest) % w - 1  # this rank's slot in dest's buffers
-            peer_flags = self.flags.addresses[dest] + 4 * (CREDITS + slot * len(chunks))
-            ops = tuple(
-                (
-                    buffers.counters.data_ptr() + 4 * (step * len(chunks) + c),
-                    chunk.target,
-                    data.addresses[dest] + slot * slot_bytes + chunk.offset,
-                    buffers.staging.data_ptr() + step * slot_bytes + chunk.offset,
-                    chunk.nbytes,
-                    peer_flags + 4 * c,
-                )
-                for c, chunk in enumerate(chunks)
-            )
-            steps.append((credits + 4 * dest, ops))
-        grants = tuple(self.flags.addresses[d] + 4 * self.rank for d in range(w) if d != self.rank)
-        return _CopyPlan(buffers=buffers, steps=tuple(steps), grants=grants)
+        steps, grants = copy_plan(
+            layout, config, self.rank, data.addresses, self.flags.addresses, buffers.staging.data_ptr(),
+            buffers.counters.data_ptr(),
+        )  # fmt: skip
+        return _CopyPlan(buffers=buffers, steps=steps, grants=grants)
 
     def copy(self, stream: torch.cuda.Stream, plan: _CopyPlan) -> None:
         """Queue the call's copies and signals. The copy streams start at `self.fork`, which the caller

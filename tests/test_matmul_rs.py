@@ -4,14 +4,16 @@ CPU (Triton interpreter, gloo):
 * the tile schedule of the kernel itself (`_tile_coords`, run in a small kernel): every tile of every
   destination exactly once, destinations in the order rank + 1, ..., rank (own rows last), T tiles
   per destination (the flags each peer sets per call), the same order inside a step on every rank;
-* both launches, staging, chunk counters, flags and reduction included, on W simulated ranks in one
-  process: every rank's stage launch, then the copy streams' work done by the test (each counter must
-  have reached its target; each chunk copied into the destination's received slot, its flag raised
-  there), then every rank's own launch (a single interpreted program cannot wait for another). Up to
-  three calls in a row, ragged rows, K and N, several pieces (dim=1 with B > 1), both weight layouts,
-  outputs poisoned, received slots random until copied. fp16 here: the interpreter's tl.dot mishandles
-  bf16; the GPU tests run bf16. The bounded spin (inline PTX) and the copy streams (stream memory
-  operations) cannot run on a CPU: the timeout and the streams' protocol are tested on GPUs;
+* both launches, staging, chunk counters, flags, credits and reduction included, on W simulated ranks
+  in one process: every rank's stage launch, then its copy streams' work done by the test from the
+  call's own copy plan (`copy_plan`, on the CPU tensors' addresses: each credit taken, each counter
+  at its target, each chunk's bytes copied into the destination's received slot and its flag raised
+  there), then every rank's own launch, flag reset and credit grants (a single interpreted program
+  cannot wait for another). Every received slot holds its source's staged partial. Up to three calls
+  in a row, ragged rows, K and N, several pieces (dim=1 with B > 1), both weight layouts, outputs
+  poisoned, received slots random until copied. fp16 here: the interpreter's tl.dot mishandles bf16;
+  the GPU tests run bf16. The bounded spin (inline PTX) and the copy streams (stream memory
+  operations) cannot run on a CPU: the timeout and the streams' ordering are tested on GPUs;
 * the chunks of a slot: consecutive, covering it, GROUP_M row tiles each;
 * the kernels compiled for sm_90 (no GPU needed): fit in shared memory, use wgmma and TMA loads,
   16-byte stores and reads, released counters, bounded acquire waits;
@@ -22,6 +24,7 @@ outputs poisoned; CUDA-graph capture with replays on fresh inputs mixed with eag
 never enters -> SymmMemTimeout naming it.
 """
 
+import ctypes
 import itertools
 import math
 
@@ -102,44 +105,54 @@ def test_tile_schedule(case) -> None:
 
 class SimulatedWorld:
     """W ranks' buffers as CPU tensors in one process: staging slots, counters, received slots (random
-    bytes until copied), chunk flags and status words per rank."""
+    bytes until copied), flag buffers ([credits | chunk flags]) and status words per rank."""
 
     def __init__(self, world: int, layout: mrs.ScatterLayout, config: mrs.GemmConfig) -> None:
         self.world, self.layout, self.config = world, layout, config
-        self.chunks = layout.chunks(config)
         slots = (world - 1) * layout.slot_numel()
-        flags = (world - 1) * len(self.chunks)
+        flags = (world - 1) * layout.chunk_count(config)
+        self.flag_buffers = [torch.zeros(mrs.CREDITS + flags, dtype=torch.int32) for _ in range(world)]
+        for fb in self.flag_buffers:
+            fb[: mrs.CREDITS] = 1  # as a group's state starts
         self.buffers = [
             mrs.CallBuffers(
                 staging=torch.full((slots,), float("nan")).half(),
                 counters=torch.zeros(flags, dtype=torch.int32),
                 received=torch.randint(0, 255, (slots * 2,), dtype=torch.uint8).view(torch.float16),
-                flags=torch.zeros(flags, dtype=torch.int32),
+                flags=fb[mrs.CREDITS :],
                 status=torch.zeros(4, dtype=torch.int32),
             )
-            for _ in range(world)
+            for fb in self.flag_buffers
         ]
 
+    def plan(self, rank: int):
+        """`mrs.copy_plan` of rank `rank`, on these CPU tensors' addresses."""
+        return mrs.copy_plan(
+            self.layout, self.config, rank, [b.received.data_ptr() for b in self.buffers],
+            [fb.data_ptr() for fb in self.flag_buffers], self.buffers[rank].staging.data_ptr(),
+            self.buffers[rank].counters.data_ptr(),
+        )  # fmt: skip
+
     def copy(self, rank: int) -> None:
-        """What rank `rank`'s copy streams do once every counter reached its target: each chunk of
-        staging slot `step` into the destination's received slot, then the chunk's flag there."""
-        w, n = self.world, self.layout.slot_numel()
-        src = self.buffers[rank]
-        for step in range(w - 1):
-            dest = (rank + 1 + step) % w
-            slot = (rank - dest) % w - 1
-            for c, chunk in enumerate(self.chunks):
-                counter = src.counters[step * len(self.chunks) + c]
-                assert counter.item() == chunk.target, f"rank {rank} step {step} chunk {c}: counter {counter}"
-                counter.zero_()
-                lo, hi = chunk.offset // 2, (chunk.offset + chunk.nbytes) // 2
-                received = self.buffers[dest].received[slot * n : (slot + 1) * n]
-                received[lo:hi] = src.staging[step * n + lo : step * n + hi]
-                self.buffers[dest].flags[slot * len(self.chunks) + c] = 1
+        """What rank `rank`'s copy streams do, from the call's own copy plan: take each destination's
+        credit, then per chunk find the counter at its target, reset it, copy the chunk's bytes and
+        raise its flag in the destination's flag buffer."""
+        steps, _ = self.plan(rank)
+        for step, (credit, ops) in enumerate(steps):
+            word = ctypes.c_int32.from_address(credit)
+            assert word.value == 1, f"rank {rank} step {step}: no credit"
+            word.value = 0
+            for counter, target, dst, src, nbytes, flag in ops:
+                count = ctypes.c_int32.from_address(counter)
+                assert count.value == target, f"rank {rank} step {step}: counter {count.value}, not {target}"
+                count.value = 0
+                ctypes.memmove(dst, src, nbytes)
+                ctypes.c_int32.from_address(flag).value = 1
 
     def call(self, a: list[torch.Tensor], b: torch.Tensor, num_programs: int) -> list[torch.Tensor]:
         """One matmul-reduce-scatter over the simulated ranks: every rank's stage launch, the copies,
-        then every rank's own launch (a single interpreted program cannot wait for another)."""
+        then every rank's own launch, flag reset and credit grants (a single interpreted program cannot
+        wait for another)."""
         layout, config = self.layout, self.config
         outs = [torch.full((layout.pieces, layout.rows, layout.n), float("nan")).half() for _ in a]
         for r in range(self.world):
@@ -148,7 +161,9 @@ class SimulatedWorld:
             self.copy(r)
         for r in range(self.world):
             mrs.launch(a[r], b, outs[r], layout, self.buffers[r], r, config, num_programs, 10**9, "own")
-            self.buffers[r].flags.zero_()  # the reset that follows the own launch
+            self.buffers[r].flags.zero_()
+            for grant in self.plan(r)[1]:
+                ctypes.c_int32.from_address(grant).value = 1
         return outs
 
 
@@ -171,6 +186,11 @@ def test_kernel_on_simulated_ranks(case) -> None:
         b = torch.randn(k, n).half() if kn else torch.randn(n, k).half().t()
         outs = sim.call(a, b, num_programs=3)
         total = sum(x.float() @ b.float() for x in a)  # [P, W, R, N]: rank d keeps [:, d]
+        slot = layout.slot_numel()
+        for r, d in itertools.permutations(range(world), 2):  # rank r's partial of d's rows, in place
+            got = sim.buffers[d].received[((r - d) % world - 1) * slot :][:slot]
+            sent = sim.buffers[r].staging[((d - r) % world - 1) * slot :][:slot]
+            assert torch.equal(got, sent), f"call {call}: rank {d}'s slot of rank {r}"
         for r in range(world):
             assert sim.buffers[r].status.tolist() == [0, 0, 0, 0], f"rank {r}: a wait recorded a timeout"
             assert not outs[r].isnan().any(), f"rank {r}, call {call}: tiles left unwritten"
