@@ -335,20 +335,27 @@ def check_sm90_ptx() -> None:
     configs += [(4, config, False, True) for config in SWEEP]
     for world, config, b_kn, n16 in configs:
         what = f"world {world} {config} kn={b_kn} N%16==0: {n16}"
-        ptx = _compile_stage(world, config, b_kn, n16)
-        assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, f"{what}: stage kernel: no wgmma / TMA"
-        assert "st.global.v4" in ptx, f"{what}: staging stores not 16-byte"
-        assert "atom.release.gpu" in ptx or "atom.global.gpu.release" in ptx, f"{what}: counters not released"
-        assert "griddepcontrol.launch_dependents" in ptx, f"{what}: the own-rows launch cannot overlap"
-        log = ptxas_log(ptx)
-        assert "serialized" not in log and spill_stores(log) == 0, f"{what}: stage kernel: {log}"
-        ptx = _compile_own(world, config, b_kn, n16)
-        assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx, f"{what}: own kernel: no wgmma / TMA"
-        assert "ld.global.cg.v4" in ptx, f"{what}: own kernel: partials not read in 16-byte vectors"
-        assert "ld.acquire.sys" in ptx and "%globaltimer" in ptx, f"{what}: own kernel: unbounded waits"
-        assert "griddepcontrol.wait" in ptx, f"{what}: own kernel: may end before the stage launch"
-        log = ptxas_log(ptx)
-        assert "serialized" not in log and spill_stores(log) == 0, f"{what}: own kernel: {log}"
+        _assert_ptx(_compile_stage(world, config, b_kn, n16), f"{what}: stage kernel", {
+            "wgmma": "no wgmma", "cp.async.bulk.tensor": "no TMA loads",
+            "st.global.v4": "staging stores not 16-byte",
+            "atom.global.gpu.release": "counters not released",
+            "griddepcontrol.launch_dependents": "the own-rows launch cannot overlap",
+        })  # fmt: skip
+        _assert_ptx(_compile_own(world, config, b_kn, n16), f"{what}: own kernel", {
+            "wgmma": "no wgmma", "cp.async.bulk.tensor": "no TMA loads",
+            "ld.global.cg.v4": "partials not read in 16-byte vectors",
+            "ld.acquire.sys": "flags not acquired", "%globaltimer": "unbounded waits",
+            "griddepcontrol.wait": "may end before the stage launch",
+        })  # fmt: skip
+
+
+def _assert_ptx(ptx: str, what: str, needs: dict[str, str]) -> None:
+    """Each needle of `needs` in the PTX (else its message), and ptxas neither serializes the wgmma
+    instructions nor spills."""
+    for needle, missing in needs.items():
+        assert needle in ptx, f"{what}: {missing}"
+    log = ptxas_log(ptx)
+    assert "serialized" not in log and spill_stores(log) == 0, f"{what}: {log}"
 
 
 def test_kernel_compiles_for_sm90() -> None:
