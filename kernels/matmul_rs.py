@@ -573,7 +573,8 @@ class GemmAlone:
     def staged(self, dest: int) -> torch.Tensor:
         """[P, R, N]: the partial of `dest`'s rows that the last run staged for `dest`."""
         if dest == self.rank or not 0 <= dest < self.layout.world:
-            raise ValueError(f"rank {self.rank} stages for the peers in {self.layout.world}, not {dest}")
+            world = self.layout.world
+            raise ValueError(f"rank {self.rank} stages for its peers of {world} ranks, not {dest}")
         if not self.runs:
             raise ValueError("nothing staged yet: call run() first")
         step = (dest - self.rank) % self.layout.world - 1
