@@ -460,7 +460,7 @@ def launch(
     """Launch the stage and/or own launch (`part`: "stage", "own" or "both") of this rank's call:
     `out` ([P, R, N], contiguous) = this rank's rows of the sum over ranks of `a` ([P, W, R, K],
     contiguous) @ `b`, each launch with at most `num_programs` programs. The copies between them are
-    the caller's (`CopyEngines`). Returns the compiled kernels, in launch order."""
+    the caller's (`_GroupState`). Returns the compiled kernels, in launch order."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     p, w, r, k, n = layout.pieces, layout.world, layout.rows, layout.k, layout.n
     if tuple(a.shape) != (p, w, r, k) or not a.is_contiguous():
@@ -702,9 +702,7 @@ def copy_plan(
 
 @dataclasses.dataclass(frozen=True)
 class _CopyPlan:
-    """A call shape's memory and copies, as device addresses computed once: per copy stream, the credit
-    word it waits on and (counter, target, destination, source, bytes, flag) per chunk; the credit
-    words in the peers' flag buffers this rank grants."""
+    """A call shape's buffers and its `copy_plan`, computed once."""
 
     buffers: CallBuffers
     steps: tuple[tuple[int, tuple[CopyOp, ...]], ...]
@@ -753,12 +751,15 @@ class _GroupState:
         )  # fmt: skip
         return _CopyPlan(buffers=buffers, steps=steps, grants=grants)
 
+    def start(self, stream: torch.cuda.Stream) -> None:
+        """Mark where the call's copy streams start on `stream`: before the launches, since a start
+        after them would wait for the own launch, which waits for the peers' copies."""
+        self.fork.record(stream)
+
     def copy(self, stream: torch.cuda.Stream, plan: _CopyPlan) -> None:
-        """Queue the call's copies and signals. The copy streams start at `self.fork`, which the caller
-        recorded on `stream` before the launches: a fork after them would wait for the own launch,
-        which waits for the peers' copies, which wait for theirs. Call it after both launches
-        (kernels/stream_ops.py: lazy loading). `stream` then resets this rank's chunk flags, grants
-        every peer its credit and waits for the copy streams."""
+        """Queue the call's copies and signals from `start` on, after both launches (kernels/stream_ops.py:
+        lazy loading); `stream` then resets this rank's chunk flags, grants every peer its credit and
+        waits for the copy streams."""
         for copies, join, (credit, ops) in zip(self.streams, self.joins, plan.steps, strict=True):
             copies.wait_event(self.fork)
             handle = copies.cuda_stream
@@ -853,7 +854,7 @@ def matmul_reduce_scatter_kernel(
     num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     plan = state.plan(layout, cfg, data)
     stream = torch.cuda.current_stream()
-    state.fork.record(stream)
+    state.start(stream)
     launch(
         a4,
         b,
