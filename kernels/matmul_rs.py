@@ -39,10 +39,13 @@ Protocol (per call, rank r; every value is a constant, so a CUDA graph replays i
   staging slot `step`; then every thread adds 1 to the chunk's counter with a release (each thread
   releases its own stores), so a counter at THREADS * tiles of the chunk means the chunk has landed.
   Nothing in it waits, so Triton flattens its persistent and K loops into one pipeline.
-* Copy stream of step s (destination d): waits until d granted a credit (d's previous call has read
-  what r sent it), takes it (writes 0); then for each chunk: waits for its counter, resets it, copies
-  the chunk into slot (r - d) % W - 1 of d's data buffer and writes 1 into that slot's chunk flag in
-  d's flag buffer (the write follows the copy with a memory barrier).
+* Program 0 of the stage launch first waits (bounded) until every peer granted its credit (its
+  previous call has read what r sent it), takes the credits (writes 0) and sets a local `credited`
+  word, which the first copy stream waits for; the others wait for that one. (A stream wait on a
+  peer's credit would hang for good on a lost peer; this wait gives up.) Then the copy stream of step
+  s (destination d), for each chunk: waits for its counter (a stream wait), resets it, copies the
+  chunk into slot (r - d) % W - 1 of d's data buffer and writes 1 into that slot's chunk flag in d's
+  flag buffer (the write follows the copy with a memory barrier).
 * Own launch (step W - 1, program i taking own tiles i, i + G, ...): each tile waits (acquire, bounded,
   branch-free spins so that the loop stays flattened) for the W - 1 flags of its chunk, then adds the
   peers' partials in rank order to its fp32 accumulator and writes the output shard.
@@ -52,8 +55,10 @@ Protocol (per call, rank r; every value is a constant, so a CUDA graph replays i
 Credits start at 1. A peer writes this rank's data buffer for call e + 1 only after this rank's own
 launch of call e ended, so one data buffer suffices, whatever shape each call has. All calls of a group
 go through one flag buffer and must be issued on one stream (as for every collective). A wait that times
-out records (op, flag index, missing rank) in the status word; `check(group)` raises SymmMemTimeout
-naming the rank; the group's state is then unusable (the next call's copy streams may wait forever).
+out records (op, where, missing rank) in the status word (where: 0 for a credit, 1 + the chunk flag's
+index) and later waits on the group return at once, so no call hangs on a lost peer; `check(group)`
+raises SymmMemTimeout naming the rank; the group's state is then unusable. The stream waits are only
+on this rank's own words, which its stage launch always sets.
 
 What runs where (decided here; parallel/comm.py's triton path calls `matmul_reduce_scatter`):
 * the kernel: bf16 on CUDA, world size 2, 4 or 8, `dim` not the last, d_dim divisible by W, K and N
@@ -325,19 +330,30 @@ def _geometry(k, rows, n, pieces, BM: tl.constexpr, BN: tl.constexpr, BK: tl.con
 
 @triton.jit
 def _matmul_rs_stage_kernel(
-    a_desc, b_desc, staging_ptr, counters_ptr, k, rows, n, pieces, chunks,
+    a_desc, b_desc, staging_ptr, counters_ptr, credits_ptr, credited_ptr, status_ptr, timeout_ns, k, rows,
+    n, pieces, chunks,
     RANK: tl.constexpr, WORLD: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    GROUP_M: tl.constexpr, B_KN: tl.constexpr, THREADS: tl.constexpr, PDL: tl.constexpr,
+    GROUP_M: tl.constexpr, B_KN: tl.constexpr, THREADS: tl.constexpr, CREDITS: tl.constexpr,
+    OP_ID: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Persistent GEMM over the peers' tiles [0, (W - 1) * T) of `_tile_coords`' order, program i
     taking tiles i, i + G, ...: each tile's partial goes to staging slot `step` (pointer stores: TMA
     stores measured no faster, matmul_rs_gemm-h100.md), then each of the program's THREADS threads adds
     1 to the tile's chunk counter (release: its own stores first). It never waits, so Triton flattens
     the loop: a tile's stores drain while the next tile's loads are in flight. With PDL the own-rows
-    launch may take each SM this one leaves."""
+    launch may take each SM this one leaves. CREDITS: program 0 first waits (bounded, "barrier 0" in
+    the status word) until every peer granted its credit, takes them and sets `credited`, which the
+    copy streams wait for; a peer's credit only waits for that peer's previous own launch to end."""
     if PDL:
         gdc_launch_dependents()
     pid = tl.program_id(0)
+    if CREDITS:  # noqa: SIM102 (a constexpr test, then a runtime one)
+        if pid == 0:
+            for src in tl.static_range(WORLD):
+                if src != RANK:
+                    _wait_set(credits_ptr + src, 0, status_ptr, src, timeout_ns, OP_ID)
+                    tl.store(credits_ptr + src, 0)
+            tl.atomic_xchg(credited_ptr, 1, sem="release", scope="gpu")
     BH: tl.constexpr = BN // 2
     DT: tl.constexpr = staging_ptr.dtype.element_ty
     n, row_tiles_per_piece, row_tiles, n_tiles, tiles_per_dest, slot_numel, k_tiles = _geometry(
@@ -361,12 +377,12 @@ def _matmul_rs_stage_kernel(
 
 
 @triton.jit
-def _wait_tile(flags, flag, status_ptr, src, timeout_ns, OP_ID: tl.constexpr):
-    """Wait until flags[flag] is set: one acquire read first, the bounded spin of kernels/symm_mem.py
-    only when it is not (the interpreter's wait: a flattened loop takes `wait_flag_unbranched`)."""
-    seen = tl.atomic_add(flags + flag, 0, sem="acquire", scope="sys")
+def _wait_set(flag_ptr, where, status_ptr, src, timeout_ns, OP_ID: tl.constexpr):
+    """Wait until the flag at `flag_ptr` is set (1): one acquire read first, the bounded spin of
+    kernels/symm_mem.py only when it is not, recording `where` on a timeout. Ends with a CTA barrier."""
+    seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     if seen < 1:
-        wait_flag(flags + flag, 1, status_ptr, OP_ID, flag, src, timeout_ns)
+        wait_flag(flag_ptr, 1, status_ptr, OP_ID, where, src, timeout_ns)
     tl.debug_barrier()
 
 
@@ -381,8 +397,8 @@ def _matmul_rs_own_kernel(
     program i taking own tiles i, i + G, ...: each tile's product waits for the W - 1 peers' flags of
     its chunk, adds their partials and writes the output shard. SPIN (compiled): the waits are
     unbranched spins, so that Triton flattens the loop and the next tile's loads are in flight during a
-    tile's waits and reduction. Only peers' copy streams set these flags, and they wait for nothing an
-    SM holds, so the static schedule cannot deadlock."""
+    tile's waits and reduction (the interpreter takes `_wait_set`). Only peers' copy streams set these
+    flags, and they wait for nothing an SM holds, so the static schedule cannot deadlock."""
     pid = tl.program_id(0)
     BH: tl.constexpr = BN // 2
     n, row_tiles_per_piece, row_tiles, n_tiles, tiles_per_dest, slot_numel, k_tiles = _geometry(
@@ -402,10 +418,10 @@ def _matmul_rs_own_kernel(
             if src != RANK:
                 flag = ((src - RANK + WORLD) % WORLD - 1) * chunks + m // GROUP_M
                 if SPIN:
-                    zero = wait_flag_unbranched(flags_ptr + flag, 1, zero, status_ptr, OP_ID, flag, src,
+                    zero = wait_flag_unbranched(flags_ptr + flag, 1, zero, status_ptr, OP_ID, 1 + flag, src,
                                                 timeout_ns, False)  # fmt: skip
                 else:
-                    _wait_tile(flags_ptr, flag, status_ptr, src, timeout_ns, OP_ID)
+                    _wait_set(flags_ptr + flag, 1 + flag, status_ptr, src, timeout_ns, OP_ID)
         partials = tl.multiple_of(recv_ptr + zero, 16)
         # In column slices of at most 64 (32 past 4 ranks): the peers' partials of a slice are loaded
         # at once, so narrower slices keep the epilogue in registers.
@@ -424,13 +440,17 @@ def _matmul_rs_own_kernel(
 class CallBuffers:
     """A call's memory on this rank: the staging slots (bf16, local) and the chunk counters (int32,
     local, zero between calls) the stage launch fills, the received slots (bf16) and their chunk flags
-    (int32, [W - 1, chunks]) the own launch reads, and the status word its waits report to."""
+    (int32, [W - 1, chunks]) the own launch reads, the credits (int32 [W], symmetric: credits[d] from
+    rank d) and the `credited` word (int32, local) the stage launch takes and sets, and the status word
+    the waits report to. `credits` None: no credits taken (the GEMM alone)."""
 
     staging: torch.Tensor
     counters: torch.Tensor
     received: torch.Tensor
     flags: torch.Tensor
     status: torch.Tensor
+    credits: torch.Tensor | None = None
+    credited: torch.Tensor | None = None
 
 
 def is_kn_layout(b: torch.Tensor) -> bool:
@@ -492,9 +512,13 @@ def launch(
                   num_warps=config.num_warps, num_stages=config.num_stages)  # fmt: skip
     kernels = ()
     if part in ("stage", "both"):
+        credits = buffers.credits is not None
+        credits_ptr = buffers.credits if credits else buffers.counters  # unused without credits
+        credited_ptr = buffers.credited if credits else buffers.counters
         stage = _matmul_rs_stage_kernel[(min(num_programs, (w - 1) * per_dest),)](
-            a_desc, b_desc, buffers.staging, buffers.counters, k, r, n, p, chunks,
-            THREADS=config.threads, PDL=not INTERPRETED, **common,
+            a_desc, b_desc, buffers.staging, buffers.counters, credits_ptr, credited_ptr, buffers.status,
+            timeout_ns, k, r, n, p, chunks,
+            THREADS=config.threads, CREDITS=credits, OP_ID=OP, PDL=not INTERPRETED, **common,
         )  # fmt: skip
         kernels += (stage,)
     if part in ("own", "both"):
@@ -671,10 +695,10 @@ def copy_plan(
     flag_buffers: Sequence[int],
     staging: int,
     counters: int,
-) -> tuple[tuple[tuple[int, tuple[CopyOp, ...]], ...], tuple[int, ...]]:
+) -> tuple[tuple[tuple[CopyOp, ...], ...], tuple[int, ...]]:
     """The addresses of one call's copies and signals on rank `rank`: per copy stream (step s, whose
-    destination is rank + 1 + s), the credit word it takes and (counter, target, destination, source,
-    bytes, flag) of each chunk; then the credit words this rank grants its peers after its own launch.
+    destination is rank + 1 + s), (counter, target, destination, source, bytes, flag) of each chunk;
+    then the credit words this rank grants its peers after its own launch.
     `received[d]` and `flag_buffers[d]` are rank d's received slots and flag buffer ([credits | chunk
     flags]) as this process maps them; `staging` and `counters` are this rank's."""
     chunks = layout.chunks(config)
@@ -695,7 +719,7 @@ def copy_plan(
             )
             for c, chunk in enumerate(chunks)
         )
-        steps.append((flag_buffers[rank] + 4 * dest, ops))
+        steps.append(ops)
     grants = tuple(flag_buffers[d] + 4 * rank for d in range(w) if d != rank)
     return tuple(steps), grants
 
@@ -705,7 +729,7 @@ class _CopyPlan:
     """A call shape's buffers and its `copy_plan`, computed once."""
 
     buffers: CallBuffers
-    steps: tuple[tuple[int, tuple[CopyOp, ...]], ...]
+    steps: tuple[tuple[CopyOp, ...], ...]
     grants: tuple[int, ...]
 
 
@@ -719,13 +743,15 @@ class _GroupState:
         self.flags = get_symm_buffer(group, FLAG_BUFFER_BYTES, torch.uint8, tag=FLAG_TAG)
         words = self.flags.view(0, FLAG_BUFFER_BYTES // 4, torch.int32)
         words.zero_()
-        words[:CREDITS].fill_(1)  # every peer may write this rank's buffer for the first call
+        self.credits = words[:CREDITS]
+        self.credits.fill_(1)  # every peer may write this rank's buffer for the first call
+        self.credited = torch.zeros(1, dtype=torch.int32, device=words.device)
         self.counters = torch.zeros((self.world - 1) * MAX_CHUNKS, dtype=torch.int32, device=words.device)
         self.streams = [torch.cuda.Stream() for _ in range(self.world - 1)]
         self.staging: dict[int, torch.Tensor] = {}
         self.plans: dict[tuple[ScatterLayout, GemmConfig, int], _CopyPlan] = {}
         # Recorded anew by every call: a wait uses the record made last before it.
-        self.fork = torch.cuda.Event()
+        self.fork, self.credited_event = torch.cuda.Event(), torch.cuda.Event()
         self.joins = [torch.cuda.Event() for _ in self.streams]
         torch.cuda.synchronize()
         dist.barrier(group=group)  # every credit and flag set before any peer copies or signals
@@ -744,6 +770,8 @@ class _GroupState:
             received=data.view(0, (w - 1) * layout.slot_numel(), torch.bfloat16),
             flags=self.flags.view(CREDITS * 4, (w - 1) * chunks, torch.int32),
             status=self.flags.status,
+            credits=self.credits,
+            credited=self.credited,
         )
         steps, grants = copy_plan(
             layout, config, self.rank, data.addresses, self.flags.addresses, buffers.staging.data_ptr(),
@@ -758,13 +786,19 @@ class _GroupState:
 
     def copy(self, stream: torch.cuda.Stream, plan: _CopyPlan) -> None:
         """Queue the call's copies and signals from `start` on, after both launches (kernels/stream_ops.py:
-        lazy loading); `stream` then resets this rank's chunk flags, grants every peer its credit and
-        waits for the copy streams."""
-        for copies, join, (credit, ops) in zip(self.streams, self.joins, plan.steps, strict=True):
-            copies.wait_event(self.fork)
+        lazy loading). The first copy stream waits until the stage launch took the credits; `stream`
+        then resets this rank's chunk flags, grants every peer its credit and waits for the copy
+        streams."""
+        first = self.streams[0]
+        first.wait_event(self.fork)
+        credited = plan.buffers.credited.data_ptr()
+        stream_ops.wait_geq(first.cuda_stream, credited, 1)
+        stream_ops.write(first.cuda_stream, credited, 0)
+        self.credited_event.record(first)
+        for copies, join, ops in zip(self.streams, self.joins, plan.steps, strict=True):
+            if copies is not first:
+                copies.wait_event(self.credited_event)
             handle = copies.cuda_stream
-            stream_ops.wait_geq(handle, credit, 1)
-            stream_ops.write(handle, credit, 0)
             for counter, target, dst, src, nbytes, flag in ops:
                 stream_ops.wait_geq(handle, counter, target)
                 stream_ops.write(handle, counter, 0)

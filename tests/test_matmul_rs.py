@@ -6,14 +6,15 @@ CPU (Triton interpreter, gloo):
   per destination (the flags each peer sets per call), the same order inside a step on every rank;
 * both launches, staging, chunk counters, flags, credits and reduction included, on W simulated ranks
   in one process: every rank's stage launch, then its copy streams' work done by the test from the
-  call's own copy plan (`copy_plan`, on the CPU tensors' addresses: each credit taken, each counter
-  at its target, each chunk's bytes copied into the destination's received slot and its flag raised
-  there), then every rank's own launch, flag reset and credit grants (a single interpreted program
-  cannot wait for another). Every received slot holds its source's staged partial. Up to three calls
-  in a row, ragged rows, K and N, several pieces (dim=1 with B > 1), both weight layouts, outputs
-  poisoned, received slots random until copied. fp16 here: the interpreter's tl.dot mishandles bf16;
-  the GPU tests run bf16. The bounded spin (inline PTX) and the copy streams (stream memory
-  operations) cannot run on a CPU: the timeout and the streams' ordering are tested on GPUs;
+  call's own copy plan (`copy_plan`, on the CPU tensors' addresses: every credit taken by the stage
+  launch, each counter at its target, each chunk's bytes copied into the destination's received slot
+  and its flag raised there), then every rank's own launch, flag reset and credit grants (a single
+  interpreted program cannot wait for another). Every received slot holds its source's staged
+  partial. Up to three calls in a row, ragged rows, K and N, several pieces (dim=1 with B > 1), both
+  weight layouts, outputs poisoned, received slots random until copied. fp16 here: the interpreter's
+  tl.dot mishandles bf16; the GPU tests run bf16. The bounded spin (inline PTX) and the copy streams
+  (stream memory operations) cannot run on a CPU: the timeout and the streams' ordering are tested on
+  GPUs;
 * the chunks of a slot: consecutive, covering it, GROUP_M row tiles each;
 * the kernels compiled for sm_90 (no GPU needed): fit in shared memory, use wgmma and TMA loads,
   16-byte stores and reads, released counters, bounded acquire waits;
@@ -121,6 +122,8 @@ class SimulatedWorld:
                 received=torch.randint(0, 255, (slots * 2,), dtype=torch.uint8).view(torch.float16),
                 flags=fb[mrs.CREDITS :],
                 status=torch.zeros(4, dtype=torch.int32),
+                credits=fb[: mrs.CREDITS],
+                credited=torch.zeros(1, dtype=torch.int32),
             )
             for fb in self.flag_buffers
         ]
@@ -134,14 +137,16 @@ class SimulatedWorld:
         )  # fmt: skip
 
     def copy(self, rank: int) -> None:
-        """What rank `rank`'s copy streams do, from the call's own copy plan: take each destination's
-        credit, then per chunk find the counter at its target, reset it, copy the chunk's bytes and
-        raise its flag in the destination's flag buffer."""
+        """What rank `rank`'s copy streams do, from the call's own copy plan: find `credited` set by
+        the stage launch (which took every peer's credit), reset it, then per chunk find the counter
+        at its target, reset it, copy the chunk's bytes and raise its flag in the destination's flag
+        buffer."""
+        own = self.buffers[rank]
+        assert own.credited.item() == 1, f"rank {rank}: the stage launch did not take its credits"
+        own.credited.zero_()
+        assert all(own.credits[d] == 0 for d in range(self.world) if d != rank), f"rank {rank}: credits"
         steps, _ = self.plan(rank)
-        for step, (credit, ops) in enumerate(steps):
-            word = ctypes.c_int32.from_address(credit)
-            assert word.value == 1, f"rank {rank} step {step}: no credit"
-            word.value = 0
+        for step, ops in enumerate(steps):
             for counter, target, dst, src, nbytes, flag in ops:
                 count = ctypes.c_int32.from_address(counter)
                 assert count.value == target, f"rank {rank} step {step}: counter {count.value}, not {target}"
@@ -312,8 +317,9 @@ def _compile_sm90(
 
 
 def _compile_stage(world: int, config: mrs.GemmConfig, b_kn: bool, n16: bool) -> str:
-    args = {"staging_ptr": "*bf16", "counters_ptr": "*i32"}
-    consts = {"THREADS": config.threads, "PDL": True}
+    args = {"staging_ptr": "*bf16", "counters_ptr": "*i32", "credits_ptr": "*i32", "credited_ptr": "*i32",
+            "status_ptr": "*i32", "timeout_ns": "i64"}  # fmt: skip
+    consts = {"THREADS": config.threads, "CREDITS": True, "OP_ID": 1, "PDL": True}
     return _compile_sm90(mrs._matmul_rs_stage_kernel, world, config, b_kn, n16, args, consts)
 
 
@@ -340,6 +346,7 @@ def check_sm90_ptx() -> None:
             "st.global.v4": "staging stores not 16-byte",
             "atom.global.gpu.release": "counters not released",
             "griddepcontrol.launch_dependents": "the own-rows launch cannot overlap",
+            "%globaltimer": "unbounded credit waits",
         })  # fmt: skip
         _assert_ptx(_compile_own(world, config, b_kn, n16), f"{what}: own kernel", {
             "wgmma": "no wgmma", "cp.async.bulk.tensor": "no TMA loads",
@@ -562,7 +569,10 @@ def _timeout(rank: int, world: int) -> None:
     mrs.prepare(a, b, 0, group)
     dist.barrier()
     if rank != absent:
-        mrs.matmul_reduce_scatter_kernel(a, b, 0, group, timeout_s=TIMEOUT_TEST_S)
+        # The second call finds the absent rank's credit taken and its flags unset: it must return
+        # (every wait gives up at once after the first timeout), not hang.
+        for _ in range(2):
+            mrs.matmul_reduce_scatter_kernel(a, b, 0, group, timeout_s=TIMEOUT_TEST_S)
         torch.cuda.synchronize()
         with pytest.raises(
             SymmMemTimeout, match=rf"rank {rank}: matmul_reduce_scatter .* waiting for rank {absent}"
