@@ -12,7 +12,9 @@ benchmarks/results/matmul_rs-<device>.md/.json; `--sweep` also times the GEMM co
 (matmul_rs_sweep-<device>.*), the source of kernels/matmul_rs.py's CONFIGS table. `--gemm-alone` (one
 GPU, no torchrun) times the kernel of one rank's call with its pushes landing in local memory and the
 peers' partials already in place against torch.matmul on the same operands
-(matmul_rs_gemm-<device>.*; see benchmarks/gemm_comm.py).
+(matmul_rs_gemm-<device>.*; see benchmarks/gemm_comm.py). `--world 1` times the same kernels with no
+peers, so no staging and no reduction: the tile schedule and its epilogue alone
+(matmul_rs_gemm_world1-<device>.*).
 """
 
 from __future__ import annotations

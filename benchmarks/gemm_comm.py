@@ -7,8 +7,8 @@ the tensors, the calls and the columns' names (a `Case`).
 
 `--gemm-alone` (one GPU, no torchrun): the kernel's own GEMM as rank `--rank` of `--world` runs it, the
 communication taken out (the kernel module's `GemmAlone`), against torch.matmul (cuBLAS) on the same
-operands, both in this process; `<name>_gemm-<device>` (and `<name>_gemm_sweep-<device>`). The
-benchmark supplies an `AloneCase`.
+operands, both in this process; `<name>_gemm-<device>` (and `<name>_gemm_sweep-<device>`) at the
+default world of 4, `<name>_gemm_world<W>-<device>` at another. The benchmark supplies an `AloneCase`.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def measure_alone(
 def main_alone(
     name: str, args: argparse.Namespace, make_alone: Callable[..., AloneCase], sweep: Sequence[Any]
 ) -> None:
-    """`--gemm-alone`: every shape on this process's GPU; writes `<name>_gemm-<device>`."""
+    """`--gemm-alone`: every shape on this process's GPU; writes `<name>_gemm[_world<W>]-<device>`."""
     if not torch.cuda.is_available():
         raise SystemExit("--gemm-alone times the GEMM on a GPU; none is visible")
     if not 0 <= args.rank < args.world:
@@ -202,9 +202,11 @@ def main_alone(
     )
     worst = max((r["ours / cuBLAS"] for r in rows), default=math.nan)
     print(f"worst ours / cuBLAS at the kernel's own configs: {worst:.3f}", flush=True)
-    write_results(f"{name}_gemm", rows, text)
+    # The tables of record are rank 0 of 4's; other worlds (e.g. the GEMM with no peers) get their own.
+    stem = f"{name}_gemm" + ("" if args.world == 4 else f"_world{args.world}")
+    write_results(stem, rows, text)
     if sweep_rows:
-        write_results(f"{name}_gemm_sweep", sweep_rows, "GEMM config sweep; " + text)
+        write_results(f"{stem}_sweep", sweep_rows, "GEMM config sweep; " + text)
 
 
 def measure(m: int, k: int, n: int, case: Case, args: argparse.Namespace, sweep: Sequence[Any]):

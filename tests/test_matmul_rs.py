@@ -252,6 +252,7 @@ ALONE_CASES = [  # world, rank, a's shape, dim, N, b as [K, N], config
     (4, 3, (2, 52, 24), 1, 40, False, mrs.GemmConfig(16, 32, 16, 1, 4, 2)),
     (8, 5, (3, 16, 16), 1, 16, True, mrs.GemmConfig(16, 16, 8, 4, 4, 3)),
     (4, 1, (2, 52, 24), 1, 40, False, mrs.GemmConfig(16, 32, 16, 2, 8, 2)),
+    (1, 0, (2, 40, 24), 1, 40, False, mrs.GemmConfig(16, 32, 16, 2, 4, 2)),  # the GEMM with no peers
 ]
 
 
