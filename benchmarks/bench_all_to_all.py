@@ -21,6 +21,7 @@ Before timing, every case checks ours == stock exactly and says so.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from functools import partial
 from pathlib import Path
@@ -122,7 +123,7 @@ def exchange_rows(seq: int, heads: int, world: int, rank: int, iters: int) -> li
 def _pushes_only_kernel(
     ins, strides, outs, image_offsets, buf_ptrs, image, n_rows, seq_local, block_rows,
     HEADS: tl.constexpr, REPS: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, VEC: tl.constexpr, TILE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, VEC: tl.constexpr, TILE: tl.constexpr, ROTATE: tl.constexpr,
 ):  # fmt: skip
     """The kernel's pushes (and own rows) of seq_to_heads with its chunk schedule, without the copy-out
     and the flags: the floor of its design on this node. Writes the peers' image 0 (results unused)."""
@@ -131,12 +132,18 @@ def _pushes_only_kernel(
     for k in range(tl.cdiv(tl.cdiv(n_rows, block_rows) - pid, nprog)):
         push_block(
             ins, strides, outs, image_offsets, buf_ptrs, image, (k * nprog + pid) * block_rows, block_rows,
-            n_rows, seq_local, HEADS, REPS, RANK, WORLD, HEAD_DIM, VEC, True, TILE,
+            n_rows, seq_local, HEADS, REPS, RANK, WORLD, HEAD_DIM, VEC, True, TILE, ROTATE,
         )  # fmt: skip
 
 
 def pushes_only(
-    buf: SymmBuffer, xs: list[torch.Tensor], outs: list[torch.Tensor], programs: int, warps: int, chunks: int
+    buf: SymmBuffer,
+    xs: list[torch.Tensor],
+    outs: list[torch.Tensor],
+    programs: int,
+    warps: int,
+    chunks: int,
+    rotate_peers: bool,
 ) -> None:
     """Launch `_pushes_only_kernel` on seq_to_heads inputs `xs` with the launcher's schedule."""
     world = buf.world_size
@@ -149,15 +156,16 @@ def pushes_only(
         tuple(xs), tuple(vector_strides(x) for x in xs), tuple(outs), tuple(offsets), buf.buffer_ptrs_dev,
         buf.base_offset + FLAG_BYTES.value, n_rows, xs[0].shape[2], block_rows, HEADS=heads,
         REPS=tuple(o.shape[1] * world // x.shape[1] for x, o in zip(xs, outs, strict=True)), RANK=buf.rank,
-        WORLD=world, HEAD_DIM=DIM, VEC=16 // DTYPE.itemsize, TILE=8192, num_warps=warps,
+        WORLD=world, HEAD_DIM=DIM, VEC=16 // DTYPE.itemsize, TILE=8192, ROTATE=rotate_peers, num_warps=warps,
     )  # fmt: skip
 
 
 def launch_sweep(seq: int, heads: int, world: int, rank: int, iters: int) -> list[dict]:
     """q, k, v seq_to_heads through the launcher alone (outputs allocated once) at several pipeline
-    depths (chunks per program), programs per SM and warps per program: the source of TARGET_CHUNKS
-    and the launch defaults in kernels/all_to_all.py. Beside them the same pushes alone
-    (`pushes_only`: no copy-out, no flags), the floor of the kernel's design."""
+    depths (chunks per program), programs per SM, warps per program and peer orders (rank + 1 first,
+    or rotated per program): the source of TARGET_CHUNKS and the launch defaults in
+    kernels/all_to_all.py. Beside them the same pushes alone (`pushes_only`: no copy-out, no flags),
+    the floor of the kernel's design."""
     torch.manual_seed(rank)
     xs = [
         torch.randn(1, seq // world, h, DIM, device="cuda", dtype=DTYPE).transpose(1, 2)
@@ -171,21 +179,22 @@ def launch_sweep(seq: int, heads: int, world: int, rank: int, iters: int) -> lis
     rows = []
     launches = [("all-to-all", per_sm, warps) for per_sm, warps in ((1, 8), (1, 16), (2, 4), (2, 8))]
     launches += [("pushes only", 1, 8), ("pushes only", 1, 16)]
-    for kernel, per_sm, warps in launches:
+    for (kernel, per_sm, warps), rotate in itertools.product(launches, (False, True)):
         programs = min(per_sm * sms, MAX_PROGRAMS.value)
         for chunks in (2, 4, 8, 16):
             if kernel == "pushes only":
-                run = partial(pushes_only, buf, xs, outs, programs, warps, chunks)
+                run = partial(pushes_only, buf, xs, outs, programs, warps, chunks, rotate)
             else:
                 run = partial(
                     launch_all_to_all, buf, xs, outs, True, int(DEFAULT_TIMEOUT_S * 1e9),
-                    num_warps=warps, max_programs=programs, chunks=chunks,
+                    num_warps=warps, max_programs=programs, chunks=chunks, rotate_peers=rotate,
                 )  # fmt: skip
             ms = time_ranks_interleaved({"run": run}, iters)["run"].gpu_ms
             rows.append(
                 {
                     "S": seq, "H": heads, "kernel": kernel, "programs": programs, "warps": warps,
-                    "chunks per program": chunks, "ms": ms, "GB/s": nbytes / ms / 1e6,
+                    "peers": "rotated" if rotate else "rank + 1 first", "chunks per program": chunks,
+                    "ms": ms, "GB/s": nbytes / ms / 1e6,
                 }
             )  # fmt: skip
             if rank == 0:

@@ -170,17 +170,25 @@ def push_block(
     ins, strides, outs, image_offsets, buf_ptrs, image, row0, block_rows, n_rows, seq_local,
     HEADS: tl.constexpr, REPS: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     HEAD_DIM: tl.constexpr, VEC: tl.constexpr, SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
+    ROTATE: tl.constexpr,
 ):  # fmt: skip
     """Rows [row0, row0 + block_rows) of every tensor, each segment to its destination: the peers' buffer
-    images (rank d's: `image` bytes past the address at `buf_ptrs[d]`), rank+1 first, so that at any
-    moment the ranks push to different peers; this rank's own segments last, straight into `outs`."""
+    images (rank d's: `image` bytes past the address at `buf_ptrs[d]`), then this rank's own segments,
+    straight into `outs`. Peers in turn from rank + 1, so that at any moment the ranks push to different
+    peers; with ROTATE, program p starts at peer rank + 1 + p % (W - 1), so that a rank's programs also
+    push to all its peers at once (launch_all_to_all's `rotate_peers`)."""
     NT: tl.constexpr = len(ins)
     DT: tl.constexpr = outs[0].dtype.element_ty
+    first = tl.program_id(0) % (WORLD - 1) if ROTATE else 0
     for t in tl.static_range(NT):
         tile_rows = max(1, TILE // triton.next_power_of_2(HEADS[t] * HEAD_DIM))
         for j in tl.static_range(1, WORLD + 1):
-            d = (RANK + j) % WORLD
-            dst = outs[t] if j == WORLD else _image_base(buf_ptrs, d, image, DT) + image_offsets[t]
+            if j == WORLD:
+                d = RANK
+                dst = outs[t]
+            else:
+                d = (RANK + 1 + (first + j - 1) % (WORLD - 1)) % WORLD
+                dst = _image_base(buf_ptrs, d, image, DT) + image_offsets[t]
             for r0 in range(0, block_rows, tile_rows):
                 push_tile(
                     ins[t], strides[t], dst, row0, r0, block_rows, n_rows, seq_local, d,
@@ -223,7 +231,7 @@ def _all_to_all_kernel(
     n_rows, seq_local, block_rows, timeout_ns,
     HEADS: tl.constexpr, REPS: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     HEAD_DIM: tl.constexpr, VEC: tl.constexpr, SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
-    OP: tl.constexpr,
+    OP: tl.constexpr, ROTATE: tl.constexpr,
 ):  # fmt: skip
     NT: tl.constexpr = len(ins)
     pid = tl.program_id(0)
@@ -244,6 +252,7 @@ def _all_to_all_kernel(
             push_block(
                 ins, strides, outs, image_offsets, buf_ptrs, image, (k * nprog + pid) * block_rows,
                 block_rows, n_rows, seq_local, HEADS, REPS, RANK, WORLD, HEAD_DIM, VEC, SEQ_TO_HEADS, TILE,
+                ROTATE,
             )  # fmt: skip
         if k > 0:
             prev = (k - 1) * nprog + pid
@@ -429,8 +438,13 @@ def launch_all_to_all(
     tile: int = 8192,
     max_programs: int | None = None,
     chunks: int = TARGET_CHUNKS,
+    rotate_peers: bool = False,
 ) -> None:
-    """Run the kernel: `outs` (from `new_output`) receive the exchange of `xs` (kernel-`readable`)."""
+    """Run the kernel: `outs` (from `new_output`) receive the exchange of `xs` (kernel-`readable`).
+    `rotate_peers`: each program starts its pushes at a peer of its own (`push_block`). On 4x H100 the
+    node's floor for pushes that go to all peers at once was 343 GB/s a rank against 321 for pushes to
+    one peer at a time (push_floor-h100-x4.md); the launch sweep of bench_all_to_all
+    times both orders, and the default stays rank + 1 first until a node measures the kernel."""
     world, rank = buf.world_size, buf.rank
     x0 = xs[0]
     bsz, _, seq_in, dim = x0.shape
@@ -471,7 +485,7 @@ def launch_all_to_all(
         n_rows, seq_local, block_rows, timeout_ns,
         HEADS=heads, REPS=reps, RANK=rank, WORLD=world, HEAD_DIM=dim, VEC=vec,
         SEQ_TO_HEADS=seq_to_heads, TILE=tile, OP=SEQ_TO_HEADS_OP if seq_to_heads else HEADS_TO_SEQ_OP,
-        num_warps=num_warps,
+        ROTATE=rotate_peers, num_warps=num_warps,
     )  # fmt: skip
 
 

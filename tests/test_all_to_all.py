@@ -85,10 +85,11 @@ def _push_kernel(
     ins, strides, outs, image_offsets, images, n_rows, seq_local, block_rows,
     HEADS: tl.constexpr, REPS: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
     HEAD_DIM: tl.constexpr, VEC: tl.constexpr, SEQ_TO_HEADS: tl.constexpr, TILE: tl.constexpr,
+    ROTATE: tl.constexpr,
 ):  # fmt: skip
     push_block(
         ins, strides, outs, image_offsets, images, 0, tl.program_id(0) * block_rows, block_rows, n_rows,
-        seq_local, HEADS, REPS, RANK, WORLD, HEAD_DIM, VEC, SEQ_TO_HEADS, TILE,
+        seq_local, HEADS, REPS, RANK, WORLD, HEAD_DIM, VEC, SEQ_TO_HEADS, TILE, ROTATE,
     )  # fmt: skip
 
 
@@ -110,10 +111,14 @@ def _copy_out_kernel(
 
 
 def simulate(
-    per_rank: list[list[torch.Tensor]], seq_to_heads: bool, block_rows: int, tile: int = 64
+    per_rank: list[list[torch.Tensor]],
+    seq_to_heads: bool,
+    block_rows: int,
+    tile: int = 64,
+    rotate_peers: bool = False,
 ) -> list[list[torch.Tensor]]:
-    """Every rank's pushes, then every rank's copy-outs, with CPU tensors as the ranks' buffer images
-    (poisoned) and outputs (poisoned): the results per rank."""
+    """Every rank's pushes (peers in the order `rotate_peers` picks), then every rank's copy-outs, with
+    CPU tensors as the ranks' buffer images (poisoned) and outputs (poisoned): the results per rank."""
     world = len(per_rank)
     x0 = per_rank[0][0]
     vec = 16 // x0.element_size()
@@ -146,7 +151,7 @@ def simulate(
         strides = tuple(tuple(s // vec for s in x.stride()[:3]) for x in xs)  # in 16-byte vectors
         _push_kernel[grid](
             tuple(xs), strides, tuple(outs[rank]), tuple(offsets), table.data_ptr(), n_rows, seq_local,
-            block_rows, HEADS=heads, REPS=reps, RANK=rank, **common,
+            block_rows, HEADS=heads, REPS=reps, RANK=rank, ROTATE=rotate_peers, **common,
         )  # fmt: skip
     for rank in range(world):
         _copy_out_kernel[grid](
@@ -166,20 +171,25 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("rotate", [False, True], ids=["rank+1 first", "rotated"])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_index_maps_match_the_definition(case) -> None:
+def test_index_maps_match_the_definition(case, rotate: bool) -> None:
     world, bsz, seq_local, dim, dtype, heads = case
     seq = world * seq_local
     fulls = [torch.randn(bsz, h, seq, dim).to(dtype) for h in heads]
     block_rows = 2  # several blocks per rank, the last one short when seq_local is odd
     # sequence -> heads, q, k, v in one launch; inputs are transpose views
-    outs = simulate([[seq_shard(f, r, world) for f in fulls] for r in range(world)], True, block_rows)
+    shards = [[seq_shard(f, r, world) for f in fulls] for r in range(world)]
+    outs = simulate(shards, True, block_rows, rotate_peers=rotate)
     for rank in range(world):
         for full, out in zip(fulls, outs[rank], strict=True):
             assert torch.equal(out, expected_seq_to_heads(full, rank, world)), f"seq_to_heads rank {rank}"
     # heads -> sequence on the same shapes' transposed role, then the round trip
     head_fulls = [replicate_heads(f, world) for f in fulls]
-    back = simulate([[head_shard(f, r, world) for f in head_fulls] for r in range(world)], False, block_rows)
+    back = simulate(
+        [[head_shard(f, r, world) for f in head_fulls] for r in range(world)], False, block_rows,
+        rotate_peers=rotate,
+    )  # fmt: skip
     for rank in range(world):
         for full, out in zip(head_fulls, back[rank], strict=True):
             assert torch.equal(out, expected_heads_to_seq(full, rank, world)), f"heads_to_seq rank {rank}"
@@ -307,7 +317,9 @@ def test_reference_on_gloo() -> None:
 # ------------------------------------------------------------------------------------ sm_90 build
 
 
-def _compile_sm90(seq_to_heads: bool, world: int, dtype: torch.dtype, heads: tuple, reps: tuple) -> str:
+def _compile_sm90(
+    seq_to_heads: bool, world: int, dtype: torch.dtype, heads: tuple, reps: tuple, rotate: bool
+) -> str:
     from kernels.all_to_all import _all_to_all_kernel
 
     n = len(heads)
@@ -319,7 +331,7 @@ def _compile_sm90(seq_to_heads: bool, world: int, dtype: torch.dtype, heads: tup
     }  # fmt: skip
     vec = 16 // torch.empty((), dtype=dtype).element_size()
     const = {"HEADS": heads, "REPS": reps, "RANK": world - 1, "WORLD": world, "HEAD_DIM": 128, "VEC": vec,
-             "SEQ_TO_HEADS": seq_to_heads, "TILE": 8192, "OP": 1}  # fmt: skip
+             "SEQ_TO_HEADS": seq_to_heads, "TILE": 8192, "OP": 1, "ROTATE": rotate}  # fmt: skip
     # What the launcher's specialization gives: tensors and image offsets 16-byte aligned.
     aligned = [(a, t) for a in ("ins", "outs", "image_offsets") for t in range(n)]
     return compile_ptx(_all_to_all_kernel, sig, const, aligned, num_warps=8)
@@ -331,10 +343,11 @@ def check_sm90_ptx() -> None:
     import re
 
     cases = [
-        (True, 4, torch.bfloat16, (8, 2, 2), (1, 1, 1)),  # q, k, v
-        (True, 8, torch.bfloat16, (4, 1, 1), (1, 2, 2)),  # kv heads replicated
-        (False, 4, torch.bfloat16, (8, 2, 2), (1, 1, 1)),  # gradients of q, k, v
-        (False, 2, torch.float32, (3,), (1,)),  # 3 heads: padded columns
+        (True, 4, torch.bfloat16, (8, 2, 2), (1, 1, 1), False),  # q, k, v
+        (True, 4, torch.bfloat16, (8, 2, 2), (1, 1, 1), True),  # peers rotated per program
+        (True, 8, torch.bfloat16, (4, 1, 1), (1, 2, 2), False),  # kv heads replicated
+        (False, 4, torch.bfloat16, (8, 2, 2), (1, 1, 1), False),  # gradients of q, k, v
+        (False, 2, torch.float32, (3,), (1,), True),  # 3 heads: padded columns
     ]
     for case in cases:
         ptx = _compile_sm90(*case)
@@ -382,13 +395,15 @@ def _correctness(rank: int, world: int) -> None:
         # programs per SM.
         _, image_bytes = image_layout([o.shape for o in want], xs[0].element_size())
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        for max_programs in (None, 8, 2 * sms):
+        for max_programs, rotate in ((None, False), (8, False), (2 * sms, False), (None, True), (8, True)):
             outs = [new_output(o.shape, True, o).fill_(float("nan")) for o in want]
-            launch_all_to_all(prepare(group, image_bytes), xs, outs, True, 10**10, max_programs=max_programs)
+            launch_all_to_all(prepare(group, image_bytes), xs, outs, True, 10**10, max_programs=max_programs,
+                              rotate_peers=rotate)  # fmt: skip
             torch.cuda.synchronize()
             check(group)
             for t, (w, o) in enumerate(zip(want, outs, strict=True)):
-                assert torch.equal(o, w), f"case {case} tensor {t} on {max_programs} programs: launcher"
+                where = f"{max_programs} programs, {rotate=}"
+                assert torch.equal(o, w), f"case {case} tensor {t} on {where}: launcher"
         # The way back, from strided [B, H/W, S, D] views (what attention outputs and gradients may be).
         ys = [torch.randn_like(o).transpose(1, 2).contiguous().transpose(1, 2) if t else torch.randn_like(o)
               for t, o in enumerate(want)]  # fmt: skip
