@@ -443,8 +443,8 @@ def launch_all_to_all(
     """Run the kernel: `outs` (from `new_output`) receive the exchange of `xs` (kernel-`readable`).
     `rotate_peers`: each program starts its pushes at a peer of its own (`push_block`). On 4x H100 the
     node's floor for pushes that go to all peers at once was 343 GB/s a rank against 321 for pushes to
-    one peer at a time (push_floor-h100-x4.md); the launch sweep of bench_all_to_all
-    times both orders, and the default stays rank + 1 first until a node measures the kernel."""
+    one peer at a time (push_floor-h100-x4.md); bench_all_to_all's launch sweep times both orders, and
+    the default stays rank + 1 first until a node measures the kernel."""
     world, rank = buf.world_size, buf.rank
     x0 = xs[0]
     bsz, _, seq_in, dim = x0.shape
