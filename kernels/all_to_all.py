@@ -434,17 +434,19 @@ def launch_all_to_all(
     outs: Sequence[torch.Tensor],
     seq_to_heads: bool,
     timeout_ns: int,
-    num_warps: int = 8,
+    num_warps: int = 16,
     tile: int = 8192,
     max_programs: int | None = None,
     chunks: int = TARGET_CHUNKS,
-    rotate_peers: bool = False,
+    rotate_peers: bool = True,
 ) -> None:
     """Run the kernel: `outs` (from `new_output`) receive the exchange of `xs` (kernel-`readable`).
-    `rotate_peers`: each program starts its pushes at a peer of its own (`push_block`). On 4x H100 the
-    node's floor for pushes that go to all peers at once was 343 GB/s a rank against 321 for pushes to
-    one peer at a time (push_floor-h100-x4.md); bench_all_to_all's launch sweep times both orders, and
-    the default stays rank + 1 first until a node measures the kernel."""
+    `rotate_peers`: each program starts its pushes at a peer of its own (`push_block`), rather than every
+    program at rank + 1. On 4x H100 (all_to_all-h100-x4.md, launch sweep of q/k/v at S = 32768, one
+    program per SM) rotation was faster at every warp and chunk count: 8 warps, 8 chunks 258.7 against
+    252.5 GB/s a rank at H = 32, and 16 warps, 4-8 chunks 275.6-278.5 against 236.3-254.7; at H = 8 16
+    warps 186.8-192.8 against 177.6-180.0 (8 warps, rotated: 174.2-181.3). The node's floor for such
+    pushes is 343 GB/s (push_floor-h100-x4.md)."""
     world, rank = buf.world_size, buf.rank
     x0 = xs[0]
     bsz, _, seq_in, dim = x0.shape

@@ -395,14 +395,15 @@ def _correctness(rank: int, world: int) -> None:
         # programs per SM.
         _, image_bytes = image_layout([o.shape for o in want], xs[0].element_size())
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        for max_programs, rotate in ((None, False), (8, False), (2 * sms, False), (None, True), (8, True)):
+        launches = ((None, False, 16), (8, False, 16), (2 * sms, False, 16), (None, True, 8), (8, True, 16))
+        for max_programs, rotate, warps in launches:
             outs = [new_output(o.shape, True, o).fill_(float("nan")) for o in want]
             launch_all_to_all(prepare(group, image_bytes), xs, outs, True, 10**10, max_programs=max_programs,
-                              rotate_peers=rotate)  # fmt: skip
+                              rotate_peers=rotate, num_warps=warps)  # fmt: skip
             torch.cuda.synchronize()
             check(group)
             for t, (w, o) in enumerate(zip(want, outs, strict=True)):
-                where = f"{max_programs} programs, {rotate=}"
+                where = f"{max_programs} programs, {rotate=}, {warps} warps"
                 assert torch.equal(o, w), f"case {case} tensor {t} on {where}: launcher"
         # The way back, from strided [B, H/W, S, D] views (what attention outputs and gradients may be).
         ys = [torch.randn_like(o).transpose(1, 2).contiguous().transpose(1, 2) if t else torch.randn_like(o)
