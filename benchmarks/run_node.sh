@@ -50,9 +50,10 @@ mkdir -p "$LOG_DIR"
 stamp=$(mktemp)  # result files newer than this are this run's
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 RUN=("$PY" -m torch.distributed.run --nproc_per_node="$N")
-# Each test named as it runs and each failure's reason in the summary, so a step cut at its timeout
-# still says which test it was in; with pytest-timeout a hung test fails alone and the rest run.
-PYTEST="$PY -m pytest -v -rfE --tb=short -p no:cacheprovider"
+# Each test named as it runs and each failure's reason printed as it fails (tests/conftest.py), so a
+# step cut at its timeout still says which test it was in and why earlier ones failed; with
+# pytest-timeout a hung test fails alone and the rest run.
+PYTEST="$PY -m pytest -v -rfE --tb=short --failures-at-once -p no:cacheprovider"
 if $PY -c "import pytest_timeout" 2>/dev/null; then PYTEST="$PYTEST --timeout=${TEST_TIMEOUT:-300}"; fi
 
 cp_degrees() {

@@ -1,4 +1,4 @@
-"""Test-wide settings: deterministic CPU math and skip markers for GPU tests."""
+"""Test-wide settings: deterministic CPU math, skip markers for GPU tests, and `--failures-at-once`."""
 
 import os
 
@@ -6,6 +6,23 @@ import pytest
 import torch
 
 from parallel.shared_gpu import shared_gpu_ranks
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--failures-at-once",
+        action="store_true",
+        help="print each failure's traceback as soon as it happens, so that a run cut short by a timeout "
+        "still says why a test failed (benchmarks/run_node.sh)",
+    )
+
+
+def pytest_exception_interact(
+    node: pytest.Item | pytest.Collector, call: pytest.CallInfo, report: pytest.TestReport
+) -> None:
+    if node.config.getoption("--failures-at-once"):
+        terminal = node.config.pluginmanager.get_plugin("terminalreporter")
+        terminal.write_line(f"\n--- {report.nodeid} failed ({report.when}):\n{report.longreprtext}\n")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,6 +1,9 @@
 """Command-line arguments of the benchmarks, and the smoke runs, that a CPU can check."""
 
 import argparse
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,3 +146,22 @@ def test_push_floor_kernels_deliver_every_peer_block(peers: int) -> None:
         for p, view in enumerate(views):
             assert torch.equal(view[row0 : row0 + rows], src[p * rows : (p + 1) * rows]), (kernel, p)
             assert not view[:row0].any() and not view[row0 + rows :].any(), (kernel, p)
+
+
+def test_failures_at_once_prints_each_failure_as_it_happens(tmp_path) -> None:
+    """run_node.sh's pytest flag (tests/conftest.py): a failure's reason is printed before the next test
+    runs, not only in the final summary, which a step cut at its timeout never reaches."""
+    (tmp_path / "test_two.py").write_text(
+        "def test_fails():\n    assert 1 == 2, 'the reason'\n\n\ndef test_later():\n    print('LATER')\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    command = [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-s"]
+    done = subprocess.run(
+        [*command, "--failures-at-once", str(tmp_path / "test_two.py")],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout.index("the reason") < done.stdout.index("LATER"), done.stdout
