@@ -442,10 +442,11 @@ def launch_all_to_all(
 ) -> None:
     """Run the kernel: `outs` (from `new_output`) receive the exchange of `xs` (kernel-`readable`).
     `rotate_peers`: each program starts its pushes at a peer of its own (`push_block`), rather than every
-    program at rank + 1. On 4x H100 (all_to_all-h100-x4.md, launch sweep of q/k/v at S = 32768, one
-    program per SM) rotation was faster at every warp and chunk count: 8 warps, 8 chunks 258.7 against
-    252.5 GB/s a rank at H = 32, and 16 warps, 4-8 chunks 275.6-278.5 against 236.3-254.7; at H = 8 16
-    warps 186.8-192.8 against 177.6-180.0 (8 warps, rotated: 174.2-181.3). The node's floor for such
+    program at rank + 1. On 4x H100 (all_to_all-h100-x4.md, launch sweep of q/k/v at S = 32768)
+    rotation was faster at 46 of 48 settings of programs, warps and chunks (the two others at H = 8, 8
+    warps: 174.2 and 178.9 against 178.1 and 179.2 GB/s a rank), and 16 warps faster than 8: at H = 32,
+    one program per SM, 16 warps and 4-8 chunks 275.6-278.5 against 252.5 for the launch before (8
+    warps, 8 chunks, rank + 1 first); at H = 8 186.8-192.8 against 178.1. The node's floor for such
     pushes is 343 GB/s (push_floor-h100-x4.md)."""
     world, rank = buf.world_size, buf.rank
     x0 = xs[0]
