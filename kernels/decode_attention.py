@@ -40,8 +40,9 @@ Why this shape:
   (kernels.fp8) the kernel issues them, its first tile of keys and values included, before it waits on
   the qkv projection: at batch 1 and short caches, where each split is one tile, the whole cache read
   overlaps the projection's tail.
-- Split counts are powers of two: about SPLIT_PROGRAMS_PER_SM programs per SM (the kernel takes ~230
-  registers a thread at 4 warps, so two fit an SM), no share of the full cache below
+- Split counts are powers of two: about SPLIT_PROGRAMS_PER_SM programs per SM (as launched at head dim
+  128, the kernel takes 155-168 registers a thread at 4 warps and, its loop on 4 cp.async stages, 102
+  KiB of shared memory, so two fit an SM), no share of the full cache below
   MIN_POSITIONS_PER_SPLIT, and at most what the combining program loads at once (COMBINE_ELEMENTS
   partial outputs, MAX_SPLITS). These trade occupancy against the combine's reads
   (B * Hq * splits * D * 4 bytes). Swept on one H100 with the earlier two-launch form
@@ -91,10 +92,11 @@ NUM_WARPS = 4
 # outside the loop): see pipeline_stages.
 PIPELINE_STAGES = 4
 # fp32 partial outputs the combining program of a kv head loads at once, and its splits. At 4 warps
-# that is 128 a thread, yet ptxas (sm_90) holds the whole [G, splits, D] load without spilling and
-# without raising the kernel's registers above those of its attention part (~232 at head dim 128,
-# ~254 at 64: check_sm90_ptx in tests/test_decode_attention.py), so it stays one load rather than a
-# loop over the splits, which would add an L2 round trip per step to the last arriver's latency.
+# that is 128 a thread, yet ptxas (sm_90) holds the whole [G, splits, D] load without spilling: as
+# launched (16-byte aligned arguments) the kernel takes 155 registers with one split and 158-168 with
+# the most at head dim 128, 91 / 96 at 64 (254-255 without the alignment; check_sm90_ptx in
+# tests/test_decode_attention.py compiles both). So it stays one load rather than a loop over the
+# splits, which would add an L2 round trip per step to the last arriver's latency.
 COMBINE_ELEMENTS = 16384
 MAX_SPLITS = 64
 # The running max of a split that has seen no position yet: finite, so that exp2(m_old - m_new) is 0

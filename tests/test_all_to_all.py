@@ -318,7 +318,7 @@ def test_reference_on_gloo() -> None:
 
 
 def _compile_sm90(
-    seq_to_heads: bool, world: int, dtype: torch.dtype, heads: tuple, reps: tuple, rotate: bool
+    seq_to_heads: bool, world: int, dtype: torch.dtype, heads: tuple, reps: tuple, rotate: bool, warps: int
 ) -> str:
     from kernels.all_to_all import _all_to_all_kernel
 
@@ -334,7 +334,7 @@ def _compile_sm90(
              "SEQ_TO_HEADS": seq_to_heads, "TILE": 8192, "OP": 1, "ROTATE": rotate}  # fmt: skip
     # What the launcher's specialization gives: tensors and image offsets 16-byte aligned.
     aligned = [(a, t) for a in ("ins", "outs", "image_offsets") for t in range(n)]
-    return compile_ptx(_all_to_all_kernel, sig, const, aligned, num_warps=8)
+    return compile_ptx(_all_to_all_kernel, sig, const, aligned, num_warps=warps)
 
 
 def check_sm90_ptx() -> None:
@@ -343,11 +343,11 @@ def check_sm90_ptx() -> None:
     import re
 
     cases = [
-        (True, 4, torch.bfloat16, (8, 2, 2), (1, 1, 1), False),  # q, k, v
-        (True, 4, torch.bfloat16, (8, 2, 2), (1, 1, 1), True),  # peers rotated per program
-        (True, 8, torch.bfloat16, (4, 1, 1), (1, 2, 2), False),  # kv heads replicated
-        (False, 4, torch.bfloat16, (8, 2, 2), (1, 1, 1), False),  # gradients of q, k, v
-        (False, 2, torch.float32, (3,), (1,), True),  # 3 heads: padded columns
+        (True, 4, torch.bfloat16, (8, 2, 2), (1, 1, 1), True, 16),  # q, k, v, as launched by default
+        (True, 4, torch.bfloat16, (8, 2, 2), (1, 1, 1), False, 8),  # every program from rank + 1
+        (True, 8, torch.bfloat16, (4, 1, 1), (1, 2, 2), True, 16),  # kv heads replicated
+        (False, 4, torch.bfloat16, (8, 2, 2), (1, 1, 1), True, 16),  # gradients of q, k, v
+        (False, 2, torch.float32, (3,), (1,), False, 8),  # 3 heads: padded columns
     ]
     for case in cases:
         ptx = _compile_sm90(*case)

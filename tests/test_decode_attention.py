@@ -7,6 +7,8 @@ tests/test_bf16_decode.py). On CPU through Triton's interpreter (with small tile
 several of each are walked), on a GPU natively, there also compiled and captured in a CUDA graph with
 the position changing between replays."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -19,7 +21,7 @@ from model.args import ModelArgs
 from model.fp8 import convert_to_fp8
 from model.generate import generate, prefill
 from model.llama import Llama
-from tests.sm90 import compile_sm90, ptxas_log, run_without_interpreter, spill_stores
+from tests.sm90 import MAX_SHARED_BYTES, compile_sm90, ptxas_log, run_without_interpreter, spill_stores
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -306,7 +308,10 @@ def test_compiled_step_updates_the_cache_in_place() -> None:
 def check_sm90_ptx() -> None:
     """The kernel compiles for sm_90 at the served head shapes without register spills, the combine and
     the FP8 quantize included, waiting on the previous kernel (PDL); the splits count arrivals with one
-    acquire-release atomic (one split needs no count), FP8 output included."""
+    acquire-release atomic (one split needs no count), FP8 output included. Both as a launch at the
+    served shapes specializes it (16-byte aligned pointers and strides, cache length a multiple of 16)
+    and without that; aligned, with the launch's pipeline stages, the loop over a split's later tiles
+    runs on cp.async and two programs fit an SM's shared memory (SPLIT_PROGRAMS_PER_SM)."""
     pointers = ["q_ptr", "k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr"]
     signature = {name: "*bf16" for name in pointers}
     signature.update(
@@ -317,27 +322,35 @@ def check_sm90_ptx() -> None:
     )
     ints = ["n_kv_heads", "cache_len", "stride_q", "stride_k", "stride_v", "stride_rope"]
     signature.update(dict.fromkeys([*ints, "stride_cb", "stride_ch"], "i32"))
+    strides = ["stride_q", "stride_k", "stride_v", "stride_rope", "stride_cb", "stride_ch"]
+    served = [*pointers, "rope_ptr", "o_part_ptr", "out_ptr", "cache_len", *strides]
     # (query heads, kv heads, head dim): Llama-3-8B, Llama-3-70B, a small-head model, Llama-3-405B (16
     # query heads a kv head).
     for n_heads, n_kv_heads, head_dim in [(32, 8, 128), (64, 8, 128), (16, 8, 64), (128, 8, 128)]:
         group = n_heads // n_kv_heads
         for splits in (1, da.max_splits(group, head_dim)):
-            for fp8 in (False, True):
+            stages = da.pipeline_stages(4096, splits)
+            for fp8, aligned in itertools.product((False, True), (False, True)):
                 signature["out_ptr"] = "*fp8e4nv" if fp8 else "*bf16"
                 constexprs = dict(
                     G=group, G_PAD=max(16, group), G_ROWS=group, D=head_dim, SPLITS=splits,
                     BLOCK=da.BLOCK_N, FP8_OUT=fp8, SNAP=False, PDL=True,
                 )  # fmt: skip
                 kernel = compile_sm90(
-                    da._decode_attention_kernel, signature, constexprs, num_warps=da.NUM_WARPS
-                )
+                    da._decode_attention_kernel, signature, constexprs, served if aligned else (),
+                    num_warps=da.NUM_WARPS, num_stages=stages,
+                )  # fmt: skip
                 ptx = kernel.asm["ptx"]
+                where = (n_heads, n_kv_heads, head_dim, splits, fp8, aligned)
                 assert "griddepcontrol.wait" in ptx
-                assert spill_stores(ptxas_log(ptx)) == 0, (n_heads, n_kv_heads, head_dim, splits, fp8)
+                assert spill_stores(ptxas_log(ptx)) == 0, where
                 atomics = int(splits > 1)
                 assert ptx.count("atom.global.gpu.acq_rel.add") == atomics
                 # Whatever another program wrote is read back from L2, not from a stale L1 line.
                 assert ("ld.global.cg" in ptx) == (atomics > 0)
+                if aligned:
+                    assert ("cp.async" in ptx) == (stages > 1), where
+                    assert da.SPLIT_PROGRAMS_PER_SM * kernel.metadata.shared <= MAX_SHARED_BYTES, where
 
 
 def test_kernels_compile_for_sm90() -> None:
