@@ -17,9 +17,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-def pytest_exception_interact(
-    node: pytest.Item | pytest.Collector, call: pytest.CallInfo, report: pytest.TestReport
-) -> None:
+def pytest_exception_interact(node: pytest.Item | pytest.Collector, report: pytest.TestReport) -> None:
     if node.config.getoption("--failures-at-once"):
         terminal = node.config.pluginmanager.get_plugin("terminalreporter")
         terminal.write_line(f"\n--- {report.nodeid} failed ({report.when}):\n{report.longreprtext}\n")

@@ -322,14 +322,15 @@ def check_sm90_ptx() -> None:
     )
     ints = ["n_kv_heads", "cache_len", "stride_q", "stride_k", "stride_v", "stride_rope"]
     signature.update(dict.fromkeys([*ints, "stride_cb", "stride_ch"], "i32"))
-    strides = ["stride_q", "stride_k", "stride_v", "stride_rope", "stride_cb", "stride_ch"]
-    served = [*pointers, "rope_ptr", "o_part_ptr", "out_ptr", "cache_len", *strides]
+    # What a launch at the served shapes specializes as multiples of 16 (pointers: 16-byte aligned).
+    served = [*pointers, "rope_ptr", "o_part_ptr", "out_ptr", "cache_len", "stride_q", "stride_k", "stride_v",
+              "stride_rope", "stride_cb", "stride_ch"]  # fmt: skip
     # (query heads, kv heads, head dim): Llama-3-8B, Llama-3-70B, a small-head model, Llama-3-405B (16
     # query heads a kv head).
     for n_heads, n_kv_heads, head_dim in [(32, 8, 128), (64, 8, 128), (16, 8, 64), (128, 8, 128)]:
         group = n_heads // n_kv_heads
         for splits in (1, da.max_splits(group, head_dim)):
-            stages = da.pipeline_stages(4096, splits)
+            stages = da.pipeline_stages(4096, splits)  # a cache long enough for several tiles a split
             for fp8, aligned in itertools.product((False, True), (False, True)):
                 signature["out_ptr"] = "*fp8e4nv" if fp8 else "*bf16"
                 constexprs = dict(
