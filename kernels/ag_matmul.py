@@ -70,6 +70,7 @@ eager call) before capturing a CUDA graph.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -200,6 +201,24 @@ def copy_plan(layout: GatherLayout, block_m: int, splits: int) -> list[list[tupl
                 ranges.append((b, lo * block_m, min(hi * block_m, layout.rows)))
         plan.append(ranges)
     return plan
+
+
+@functools.cache
+def row_copies(
+    layout: GatherLayout, block_m: int, splits: int, src: int, element_size: int
+) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """`copy_plan` in bytes, for the rows of rank `src`: per split, (offset in the gathered `a`, offset
+    in a shard, bytes) of each range. What the side stream hands the copy engines (raw addresses: a
+    torch slice and copy_ per range cost the host twice as much)."""
+    row_bytes = layout.k * element_size
+    return tuple(
+        tuple(
+            (((b * layout.world + src) * layout.rows + lo) * row_bytes, (b * layout.rows + lo) * row_bytes,
+             (hi - lo) * row_bytes)
+            for b, lo, hi in ranges
+        )
+        for ranges in copy_plan(layout, block_m, splits)
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------ the kernels
@@ -425,7 +444,12 @@ MIN_TILES_PER_SPLIT = 16
 def resolve_config(layout: GatherLayout, bs: Sequence[torch.Tensor], config: GemmConfig | None) -> GemmConfig:
     """The config a call runs: `config`, or the table's for these weights with its splits cut to chunks
     of at least MIN_TILES_PER_SPLIT row tiles; either way its splits clamped to the row tiles per rank."""
-    cfg = config or pick_config(sum(b.shape[1] for b in bs))
+    return _resolved_config(layout, sum(b.shape[1] for b in bs), config)
+
+
+@functools.cache
+def _resolved_config(layout: GatherLayout, n_total: int, config: GemmConfig | None) -> GemmConfig:
+    cfg = config or pick_config(n_total)
     tiles_per_rank = layout.pieces * triton.cdiv(layout.rows, cfg.block_m)
     splits = min(cfg.splits, tiles_per_rank)
     if config is None:
@@ -615,12 +639,6 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def _set_flag(flags: torch.Tensor, index: int) -> None:
-    """flags[index] = 1 on the current stream, after the stream's earlier copies (a stream memory
-    operation: no kernel, and captured into CUDA graphs like the copies)."""
-    stream_ops.write(torch.cuda.current_stream().cuda_stream, flags.data_ptr() + 4 * index, 1)
-
-
 def _run_barrier(buf: SymmBuffer, timeout_ns: int) -> None:
     _barrier_kernel[(1,)](
         buf.signal_pad_ptrs_dev, buf.epoch, buf.status, timeout_ns,
@@ -698,7 +716,6 @@ def all_gather_matmul_kernel(
     rank = buf.rank
     cfg = resolve_config(layout, bs, config)
     splits = cfg.splits
-    plan = copy_plan(layout, cfg.block_m, splits)
     timeout_ns = int(timeout_s * 1e9)
 
     device = a_shard.device
@@ -707,28 +724,27 @@ def all_gather_matmul_kernel(
     a = torch.empty(layout.gathered_shape(a_shard.shape, dim), dtype=a_shard.dtype, device=device)
     outs = [torch.empty((*a.shape[:-1], b.shape[1]), dtype=a.dtype, device=device) for b in bs]
     flags = torch.zeros(world * splits, dtype=torch.uint32, device=device)
-    a4 = a.view(layout.pieces, world, layout.rows, layout.k)
-    mine = buf.view(region, shard.numel(), shard.dtype).view_as(shard)
-
     if shard.data_ptr() % 16:  # the GEMM's TMA descriptor of the own rows needs a 16-byte aligned base
         shard = shard.clone()
     side.wait_stream(main)  # the shard and the zeroed flags are ready
     # The copies are queued before the GEMM that waits for them, so that launches serialised by a
     # tool (CUDA_LAUNCH_BLOCKING=1, a profiler) cannot leave the GEMM spinning on copies not yet queued.
+    copies, size = side.cuda_stream, shard.element_size()
+    regions = [address + region for address in buf.addresses]
+    a_ptr, shard_ptr, flags_ptr = a.data_ptr(), shard.data_ptr(), flags.data_ptr()
+    stream_ops.copy(copies, regions[rank], shard_ptr, nbytes)
     with torch.cuda.stream(side):
-        mine.copy_(shard)
         _run_barrier(buf, timeout_ns)  # every peer's shard is in its buffer
-        for step in range(1, world):
-            src = (rank + step) % world
-            start = (buf.base_offset + region) // shard.element_size()
-            peer = buf.handle.get_buffer(src, list(shard.shape), shard.dtype, storage_offset=start)
-            for q, ranges in enumerate(plan):
-                for b, lo, hi in ranges:
-                    a4[b, src, lo:hi].copy_(peer[b, lo:hi])
-                _set_flag(flags, src * splits + q)
-        # This rank's rows of the result, last: nothing waits for them but the end of the call.
-        for b in range(layout.pieces):
-            a4[b, rank].copy_(shard[b])
+    for step in range(1, world):
+        src = (rank + step) % world
+        for q, ranges in enumerate(row_copies(layout, cfg.block_m, splits, src, size)):
+            for to, start, count in ranges:
+                stream_ops.copy(copies, a_ptr + to, regions[src] + start, count)
+            # After the split's copies (the write fences): no kernel, and captured into CUDA graphs.
+            stream_ops.write(copies, flags_ptr + 4 * (src * splits + q), 1)
+    # This rank's rows of the result, last: nothing waits for them but the end of the call.
+    for to, start, count in row_copies(layout, cfg.block_m, 1, rank, size)[0]:
+        stream_ops.copy(copies, a_ptr + to, shard_ptr + start, count)
     # The GEMM starts at once on this rank's rows (read from the shard itself) while the side stream
     # copies the shard in, meets the peers and pulls theirs.
     run_gemms(shard, a, layout, bs, outs, flags, buf.status, rank, cfg, gemm_programs(device), timeout_ns)

@@ -15,6 +15,7 @@ poisoned; CUDA-graph capture with replays on fresh inputs mixed with eager calls
 enters -> SymmMemTimeout naming it.
 """
 
+import ctypes
 import dataclasses
 import math
 
@@ -122,6 +123,25 @@ def test_copy_plan_covers_every_row_once(pieces: int, rows: int, block_m: int, s
     assert bool((covered == 1).all())
     sizes = [sum(triton.cdiv(hi - lo, block_m) for _, lo, hi in ranges) for ranges in plan]
     assert max(sizes) - min(sizes) <= 1, f"splits unbalanced: {sizes}"
+
+
+@pytest.mark.parametrize(
+    "pieces,rows,k,block_m,splits,world", [(1, 1000, 24, 128, 4, 4), (3, 17, 8, 16, 2, 2)]
+)
+def test_row_copies_gather_every_rank(
+    pieces: int, rows: int, k: int, block_m: int, splits: int, world: int
+) -> None:
+    """The side stream's copies, run with memmove on CPU tensors' addresses as the copy engines run
+    them: every rank's shard lands at its rows of the gathered `a`."""
+    layout = ag.GatherLayout(pieces, rows, k, world)
+    splits = min(splits, pieces * triton.cdiv(rows, block_m))
+    shards = [torch.randn(pieces, rows, k).half() for _ in range(world)]
+    gathered = torch.full((pieces, world, rows, k), float("nan")).half()
+    for src in range(world):
+        for ranges in ag.row_copies(layout, block_m, splits, src, gathered.element_size()):
+            for to, start, count in ranges:
+                ctypes.memmove(gathered.data_ptr() + to, shards[src].data_ptr() + start, count)
+    assert torch.equal(gathered, torch.stack(shards, dim=1))
 
 
 # ------------------------------------------------------------------------------------ CPU: GEMM math
