@@ -12,16 +12,20 @@
 # DEADLINE (seconds from the start): no step runs past it (each step's timeout is cut to what is left, a
 # step with under a minute left is skipped), so a machine lent by the call never outlives its limit.
 # OUT: a folder that receives node-results.tar, the result files this run wrote and its logs.
-# On a lent 4-GPU machine, calls of at most 10 minutes take the four-GPU run in three. On 4x H200
-# (2026-11-26) ag took 19 s, rs 17 s, a2a 34 s, ar 34 s, train 37 s and decode 325 s, while tests ran
-# past 7 minutes (the tensor-parallel decode tests are the long ones), so tests go last:
+# On a lent 4-GPU machine, calls of at most 10 minutes take the four-GPU run in four. On 4x H200
+# (2026-11-26) ag took 19 s, rs 17 s, a2a 34 s, ar 34 s, train 37 s and decode 325 s; on 4x H100 the
+# model tests 386 s and the kernel tests over 200 s (all of tests: past 8 minutes), so they go apart:
 #   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh ag rs a2a ar train
 #   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh decode
-#   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh tests
+#   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh model-tests
+#   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh kernel-tests gpu-tests
 #
 # Steps (N = the GPUs visible here; the comm steps need N >= 2):
 #   tests     pytest of everything marked multigpu (kernels on 2, 4 and 8 GPUs, TP, Ulysses), then of
-#             everything marked gpu (one GPU)
+#             everything marked gpu (one GPU): the next three steps in one
+#   model-tests   the multigpu tests of train.py / serve.py under torchrun and of the TP model
+#   kernel-tests  the other multigpu tests: each comm kernel at 2, 4 and 8 ranks
+#   gpu-tests     everything marked gpu but not multigpu (one GPU)
 #   ag        all-gather + matmul against NCCL + cuBLAS, torch's fused op and cuBLAS alone, and the GPU
 #             activities of one call of ours per shape (ag_matmul_timeline-*)
 #   rs        matmul + reduce-scatter against cuBLAS + NCCL, torch's fused op and the matmul alone, and
@@ -55,6 +59,7 @@ RUN=("$PY" -m torch.distributed.run --nproc_per_node="$N")
 # pytest-timeout a hung test fails alone and the rest run.
 PYTEST="$PY -m pytest -v -rfE --tb=short --failures-at-once -p no:cacheprovider"
 if $PY -c "import pytest_timeout" 2>/dev/null; then PYTEST="$PYTEST --timeout=${TEST_TIMEOUT:-300}"; fi
+MODEL_TESTS=(tests/test_torchrun_gpu.py tests/test_tp_gpu.py)
 
 cp_degrees() {
   local d=1 out=""
@@ -65,6 +70,9 @@ cp_degrees() {
 step_command() {
   case "$1" in
     tests) echo "$PYTEST -m multigpu tests; m=\$?; $PYTEST -m 'gpu and not multigpu' tests && exit \$m" ;;
+    model-tests) echo "$PYTEST -m multigpu ${MODEL_TESTS[*]}" ;;
+    kernel-tests) echo "$PYTEST -m multigpu tests ${MODEL_TESTS[*]/#/--ignore=}" ;;
+    gpu-tests) echo "$PYTEST -m 'gpu and not multigpu' tests" ;;
     ag) echo "${RUN[*]} benchmarks/bench_ag_matmul.py --timeline" ;;
     rs) echo "${RUN[*]} benchmarks/bench_matmul_rs.py --timeline" ;;
     a2a) echo "${RUN[*]} benchmarks/bench_all_to_all.py && ${RUN[*]} benchmarks/bench_push_floor.py" ;;
