@@ -56,8 +56,8 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 RUN=("$PY" -m torch.distributed.run --nproc_per_node="$N")
 # Each test named as it runs and each failure's reason printed as it fails (tests/conftest.py), so a
 # step cut at its timeout still says which test it was in and why earlier ones failed; with
-# pytest-timeout a hung test fails alone and the rest run.
-PYTEST="$PY -m pytest -v -rfE --tb=short --failures-at-once -p no:cacheprovider"
+# pytest-timeout a hung test fails alone and the rest run. The slowest 20 durations size the next calls.
+PYTEST="$PY -m pytest -v -rfE --tb=short --failures-at-once --durations=20 -p no:cacheprovider"
 if $PY -c "import pytest_timeout" 2>/dev/null; then PYTEST="$PYTEST --timeout=${TEST_TIMEOUT:-300}"; fi
 MODEL_TESTS=(tests/test_torchrun_gpu.py tests/test_tp_gpu.py)
 
