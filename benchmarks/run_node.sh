@@ -69,7 +69,7 @@ cp_degrees() {
 
 step_command() {
   case "$1" in
-    tests) echo "$PYTEST -m multigpu tests; m=\$?; $PYTEST -m 'gpu and not multigpu' tests && exit \$m" ;;
+    tests) echo "$PYTEST -m multigpu tests; m=\$?; $(step_command gpu-tests) && exit \$m" ;;
     model-tests) echo "$PYTEST -m multigpu ${MODEL_TESTS[*]}" ;;
     kernel-tests) echo "$PYTEST -m multigpu tests ${MODEL_TESTS[*]/#/--ignore=}" ;;
     gpu-tests) echo "$PYTEST -m 'gpu and not multigpu' tests" ;;
