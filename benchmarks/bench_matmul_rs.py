@@ -36,6 +36,7 @@ SHAPES = [(8192, 3584, 4096), (16384, 7168, 8192), (4096, 4096, 7168), (16384, 1
 # and for the staging) and lost: benchmarks/results/matmul_rs_gemm-h100.md. group_m also sets the
 # copies' chunks.
 SWEEP = [
+    mrs.GemmConfig(128, 256, 64, 2, 8, 4),
     mrs.GemmConfig(128, 256, 64, 4, 8, 4),
     mrs.GemmConfig(128, 256, 64, 16, 8, 4),
     mrs.GemmConfig(128, 256, 64, 8, 8, 3),
@@ -78,7 +79,7 @@ def make_case(m: int, k: int, n: int, group: dist.ProcessGroup) -> gemm_comm.Cas
         check=lambda: mrs.check(group),
         error=err,
         checks={},
-        config=mrs.pick_config(n),
+        config=mrs.pick_config(mrs.scatter_layout(a.shape, 0, n, world)),
     )
 
 

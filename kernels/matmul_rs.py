@@ -77,6 +77,7 @@ of symmetric buffer and as much of local staging per rank, each rounded up to a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import weakref
@@ -132,16 +133,22 @@ class GemmConfig:
 # (largest N, config), first match. 128x256x64 / 8 warps is the wgmma-friendly Hopper tile, with 4
 # stages. Narrow outputs get 128x128 tiles so that enough tiles exist to fill the SMs. Refine from
 # `torchrun --nproc_per_node=4 benchmarks/bench_matmul_rs.py --sweep`, the GEMM alone from
-# `python -m benchmarks.bench_matmul_rs --gemm-alone --sweep` on one GPU.
+# `python -m benchmarks.bench_matmul_rs --gemm-alone --sweep` on one GPU. `pick_config` cuts group_m.
 CONFIGS: tuple[tuple[int, GemmConfig], ...] = (
     (1024, GemmConfig(128, 128, 64, 8, 8, 4)),
     (1 << 62, GemmConfig(128, 256, 64, 8, 8, 4)),
 )
 
 
-def pick_config(n: int) -> GemmConfig:
-    """The table's config for an output of `n` columns."""
-    return next(cfg for max_n, cfg in CONFIGS if n <= max_n)
+@functools.cache
+def pick_config(layout: ScatterLayout) -> GemmConfig:
+    """The table's config for the call's output width, its group_m cut so that each destination's rows
+    make at least two copy chunks. The last chunk, copied after the stage launch ends, is what the own
+    launch waits for: at 8 row tiles per destination one chunk of 8 cost 1.37x the matmul alone, two of
+    4 1.15x (4x H100, matmul_rs_sweep-h100-x4.md). More chunks than two gained nothing measurable at
+    16 and 32 row tiles and cost the host four driver calls each per peer."""
+    cfg = next(cfg for max_n, cfg in CONFIGS if layout.n <= max_n)
+    return dataclasses.replace(cfg, group_m=max(1, min(cfg.group_m, layout.row_tiles(cfg) // 2)))
 
 
 # ------------------------------------------------------------------------------------ layout math
@@ -562,7 +569,7 @@ class GemmAlone:
             raise ValueError(f"rank {rank} is not in a world of {world}")
         layout = scatter_layout(a.shape, dim, b.shape[1], world)
         self.layout, self.rank = layout, rank
-        self.config = config or pick_config(layout.n)
+        self.config = config or pick_config(layout)
         dev = a.device
         self.a = a.contiguous().view(layout.pieces, world, layout.rows, layout.k)
         self.b = b
@@ -673,7 +680,7 @@ def fallback_reason(
     except ValueError as err:
         return str(err)
     layout = scatter_layout(a.shape, dim, b.shape[1], world)
-    chunks = layout.chunk_count(config or pick_config(layout.n))
+    chunks = layout.chunk_count(config or pick_config(layout))
     if chunks > MAX_CHUNKS:
         return f"{chunks} chunks per slot (the flag buffer holds {MAX_CHUNKS})"
     if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
@@ -875,7 +882,7 @@ def matmul_reduce_scatter_kernel(
             "capturing the CUDA graph"
         )
     state, data = prepare(a, b, dim, group)
-    cfg = config or pick_config(layout.n)
+    cfg = config or pick_config(layout)
     a = a.contiguous()
     # TMA needs 16-byte aligned bases. Copying an odd view (rare) rather than falling back keeps every
     # rank on the same path whatever its allocations.

@@ -338,7 +338,10 @@ def check_sm90_ptx() -> None:
     from benchmarks.bench_matmul_rs import SWEEP
 
     cases = [(4, 4096, False, True), (2, 1024, True, True), (8, 8192, True, True), (4, 1000, False, False)]
-    configs = [(world, mrs.pick_config(n), b_kn, n16) for world, n, b_kn, n16 in cases]
+    configs = [
+        (world, mrs.pick_config(mrs.scatter_layout((world * 1024, 4096), 0, n, world)), b_kn, n16)
+        for world, n, b_kn, n16 in cases
+    ]
     configs += [(4, config, False, True) for config in SWEEP]
     for world, config, b_kn, n16 in configs:
         what = f"world {world} {config} kn={b_kn} N%16==0: {n16}"
@@ -422,8 +425,17 @@ def test_one_hardware_queue_falls_back(monkeypatch) -> None:
 
 
 def test_pick_config_and_dispatch() -> None:
-    assert mrs.pick_config(1000).block_n == 128
-    assert mrs.pick_config(4096).block_n == 256
+    def config(rows: int, n: int, world: int = 4) -> mrs.GemmConfig:
+        return mrs.pick_config(mrs.scatter_layout((rows * world, 4096), 0, n, world))
+
+    assert config(1024, 1000).block_n == 128
+    assert config(1024, 4096).block_n == 256
+    # group_m: the table's 8, cut so that each destination's rows make two copy chunks or more.
+    for rows, group_m in ((4096, 8), (2048, 8), (1024, 4), (384, 1), (128, 1), (100, 1)):
+        cfg = config(rows, 7168)
+        assert cfg.group_m == group_m, (rows, cfg)
+        layout = mrs.scatter_layout((rows * 4, 4096), 0, 7168, 4)
+        assert layout.chunk_count(cfg) >= min(2, layout.row_tiles(cfg))
     from parallel.comm import _find_kernel
 
     assert _find_kernel("matmul_reduce_scatter") is mrs.matmul_reduce_scatter
