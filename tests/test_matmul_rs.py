@@ -425,17 +425,16 @@ def test_one_hardware_queue_falls_back(monkeypatch) -> None:
 
 
 def test_pick_config_and_dispatch() -> None:
-    def config(rows: int, n: int, world: int = 4) -> mrs.GemmConfig:
-        return mrs.pick_config(mrs.scatter_layout((rows * world, 4096), 0, n, world))
+    def layout(rows: int, n: int) -> mrs.ScatterLayout:
+        return mrs.scatter_layout((rows * 4, 4096), 0, n, 4)
 
-    assert config(1024, 1000).block_n == 128
-    assert config(1024, 4096).block_n == 256
+    assert mrs.pick_config(layout(1024, 1000)).block_n == 128
+    assert mrs.pick_config(layout(1024, 4096)).block_n == 256
     # group_m: the table's 8, cut so that each destination's rows make two copy chunks or more.
     for rows, group_m in ((4096, 8), (2048, 8), (1024, 4), (384, 1), (128, 1), (100, 1)):
-        cfg = config(rows, 7168)
+        cfg = mrs.pick_config(layout(rows, 7168))
         assert cfg.group_m == group_m, (rows, cfg)
-        layout = mrs.scatter_layout((rows * 4, 4096), 0, 7168, 4)
-        assert layout.chunk_count(cfg) >= min(2, layout.row_tiles(cfg))
+        assert layout(rows, 7168).chunk_count(cfg) >= min(2, layout(rows, 7168).row_tiles(cfg))
     from parallel.comm import _find_kernel
 
     assert _find_kernel("matmul_reduce_scatter") is mrs.matmul_reduce_scatter
