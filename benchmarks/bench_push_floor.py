@@ -161,7 +161,8 @@ def main() -> None:
         notes = (
             f"{world} ranks, each pushing {args.mib_per_peer} MiB of contiguous 256-byte rows into each "
             "peer's symmetric buffer at once; GPU time, the slowest rank's median, variants interleaved, "
-            "each call queued behind a GPU sleep; what landed checked on every rank first. 4 warps a "
+            "each call queued behind a GPU sleep and a one-word all-reduce that aligns the ranks; what "
+            "landed checked on every rank first. 4 warps a "
             "program. Command: torchrun --nproc_per_node="
             f"{world} benchmarks/bench_push_floor.py --mib-per-peer {args.mib_per_peer}"
         )

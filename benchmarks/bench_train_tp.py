@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import device_name, refuse_shared_gpu, slowest, write_results
+from benchmarks.common import align_ranks_on_gpu, device_name, refuse_shared_gpu, slowest, write_results
 from model.args import ModelArgs
 from model.llama import Llama
 from parallel.checkpoint import materialize
@@ -58,7 +58,8 @@ def queue_and_gpu_ms(step: Callable[[], None], step_s: float, samples: int = 3) 
     of `samples`. Host: one step queued on an idle GPU (the host waits for nothing: had the GPU been
     slower, the host would have queued more than CUDA's launch queue holds and waited, so host_ms
     then reads at most the GPU's time). GPU: CUDA events around one step queued behind a GPU sleep
-    of twice its wall time (at ~2 GHz, the same on every rank), so that the GPU never waits for the
+    of twice its wall time (at ~2 GHz, the same on every rank) and `align_ranks_on_gpu`, so that the
+    ranks start together and the GPU never waits for the
     host unless the step's launches overflow the queue while it sleeps (then gpu_ms reads at most
     the host's time). Either way, host_ms above gpu_ms means the step is bound by the host."""
     cycles = int(slowest(4e9 * step_s))
@@ -73,6 +74,7 @@ def queue_and_gpu_ms(step: Callable[[], None], step_s: float, samples: int = 3) 
         torch.cuda.synchronize()
         dist.barrier()
         torch.cuda._sleep(cycles)
+        align_ranks_on_gpu()
         start.record()
         step()
         end.record()
@@ -217,7 +219,8 @@ def main() -> None:
             f"`{command.strip()}`: Llama-3-8B width, {opts.layers} layers, bf16 autocast, AdamW; mean of "
             f"{opts.steps} steps after {opts.warmup} warm-up steps, every path from the same weights on the "
             "same tokens; host_ms: the host's time to queue one step on an idle GPU, gpu_ms: the GPU's time "
-            "to run one step queued behind a GPU sleep (host_ms above gpu_ms: the step waits on the host) "
+            "to run one step queued behind a GPU sleep and a one-word all-reduce that aligns the ranks "
+            "(host_ms above gpu_ms: the step waits on the host) "
             "(max loss diff: the largest difference of a step's loss from the first path's, "
             f"train_tp_losses-llama3_8b-L{opts.layers}). MFU = tokens/s/GPU x model FLOPs/token / dense "
             "bf16 peak."

@@ -7,6 +7,7 @@ Every benchmark prints a markdown table and writes `benchmarks/results/<name>-<d
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -131,10 +132,24 @@ LEAD_CYCLES = 500_000
 MAX_LEAD_CYCLES = 100_000_000  # ~50 ms
 
 
+def align_ranks_on_gpu() -> None:
+    """Queue on the current stream an all-reduce of one word over the world: the work queued after it
+    starts on every rank's GPU within microseconds of the others. Sleeps of equal cycles alone do not
+    align the ranks: each GPU counts them at its own clock, which power and temperature set, and the
+    host releases each rank from the barrier before it at its own time. A rank that wakes early counts
+    its wait for the others in its first call as that call's time, which a single-GPU baseline
+    (cuBLAS alone), waiting for no one, never does."""
+    dist.all_reduce(_align_word(torch.cuda.current_device()))
+
+
+@functools.cache
+def _align_word(device: int) -> torch.Tensor:
+    return torch.zeros(1, device=torch.device("cuda", device))
+
+
 def lead_cycles(host_s: float) -> int:
     """GPU cycles to sleep before a timed region whose calls take the host `host_s` seconds to queue:
-    twice that at ~2 GHz, the same on every rank (the slowest host's), or a rank that wakes early would
-    count its wait for the others at the calls' first barrier as their time."""
+    twice that at ~2 GHz, the same on every rank (the slowest host's)."""
     return int(slowest(float(min(max(LEAD_CYCLES, int(4e9 * host_s)), MAX_LEAD_CYCLES))))
 
 
@@ -164,7 +179,8 @@ def time_ranks_interleaved(
 ) -> dict[str, RankTimes]:
     """Each call's times over `iters` rounds. Every round runs each call `reps` times back to back, in an
     order rotated per round (the same on every rank; no call always follows the same one, none always
-    meets a cold GPU first), after a barrier and a GPU sleep (`lead_cycles` of the warm-up's host time).
+    meets a cold GPU first), after a barrier, a GPU sleep (`lead_cycles` of the warm-up's host time) and
+    `align_ranks_on_gpu`; the start event follows all three.
     A call whose host time exceeds its GPU time is launch-bound wherever the host does not run ahead."""
     labels = list(fns)
     lead = {label: warm_lead(fn, reps) for label, fn in fns.items()}
@@ -174,6 +190,7 @@ def time_ranks_interleaved(
             dist.barrier()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda._sleep(lead[label])
+            align_ranks_on_gpu()
             start.record()
             queued = time.perf_counter()
             for _ in range(reps):

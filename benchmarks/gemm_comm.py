@@ -102,7 +102,8 @@ def timing_note(args: argparse.Namespace) -> str:
     return (
         f"Microseconds per call: the slowest rank's median of {args.iters} rounds; each round runs every "
         f"implementation {args.reps} times back to back, in an order rotated per round, after a barrier "
-        "and a GPU sleep that lets the host queue the calls first (GPU time, CUDA events); "
+        "and a GPU sleep that lets the host queue the calls first, then an all-reduce of one word that "
+        "starts the ranks' GPUs together (GPU time, CUDA events); "
         "'ours host us': the host's time to queue one call of ours."
     )
 

@@ -106,6 +106,7 @@ def test_interleaved_timing_rotates_the_order_and_times_each_call(monkeypatch: p
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(common.dist, "barrier", lambda: None)
     monkeypatch.setattr(common, "slowest", lambda value: value)
+    monkeypatch.setattr(common, "align_ranks_on_gpu", lambda: order.append("|"))
 
     def call(label: str, ms: float):
         def run() -> None:
@@ -119,8 +120,9 @@ def test_interleaved_timing_rotates_the_order_and_times_each_call(monkeypatch: p
     assert times["a"].gpu_ms == pytest.approx(2.0) and times["b"].gpu_ms == pytest.approx(0.5)
     assert times["a"].host_ms >= 0 and times["b"].host_ms >= 0
     timed = order[2 * 2 * reps :]  # after the warm-up: two rounds of `reps` calls of each
-    firsts = [timed[i * 2 * reps] for i in range(iters)]
-    assert firsts == ["a", "b", "a", "b"] and len(timed) == iters * 2 * reps
+    # Every call's `reps` back-to-back calls follow an alignment of the ranks, and nothing else does.
+    runs = "".join(timed).split("|")
+    assert runs[0] == "" and runs[1:] == [label * reps for label in "abbaabba"]
 
 
 @pytest.mark.parametrize("peers", [1, 3, 7])
