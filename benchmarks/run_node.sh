@@ -13,9 +13,9 @@
 # step with under a minute left is skipped), so a machine lent by the call never outlives its limit.
 # OUT: a folder that receives node-results.tar, the result files this run wrote and its logs.
 # On a lent 4-GPU machine, calls of at most 10 minutes take the four-GPU run in five. On 4x H200
-# (2026-11-26) ag took 19 s, rs 17 s, a2a 34 s, ar 34 s, train 37 s and decode 325 s; on 4x H100 rs 25 s,
-# train 48-52 s, decode past 362 s, the model tests 386 s, the kernel tests 356 s and the one-GPU tests
-# 267 s (all of tests: past 16 minutes), so they go apart:
+# (2026-11-26) ag took 19 s, rs 17 s, a2a 34 s, ar 34 s, train 37 s and decode 325 s; on 4x H100
+# (2026-11-26/27) ag 25 s, rs 25-28 s, a2a 106 s, train 48-52 s, decode 369 s, the model tests 386 s, the
+# kernel tests 356 s and the one-GPU tests 267 s (all of tests: past 16 minutes), so they go apart:
 #   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh ag rs a2a ar train
 #   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh decode
 #   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh model-tests
