@@ -134,7 +134,7 @@ MAX_LEAD_CYCLES = 100_000_000  # ~50 ms
 
 def align_ranks_on_gpu() -> None:
     """Queue on the current stream an all-reduce of one word over the world: the work queued after it
-    starts on every rank's GPU within microseconds of the others. Sleeps of equal cycles alone do not
+    starts on no rank's GPU before every rank's GPU has reached it. Sleeps of equal cycles alone do not
     align the ranks: each GPU counts them at its own clock, which power and temperature set, and the
     host releases each rank from the barrier before it at its own time. A rank that wakes early counts
     its wait for the others in its first call as that call's time, which a single-GPU baseline
