@@ -278,9 +278,8 @@ def main() -> None:
             "+ permute; bare: all_to_all_single on a contiguous buffer of the same bytes. GB/s per rank = "
             "bytes leaving a rank / time; ms = GPU time, the slowest rank's median of calls queued behind a "
             "GPU sleep and an all-reduce of one word that aligns the ranks, the three paths interleaved; "
-            "host us: the host's time to queue one call. Attention: "
-            "SDPA "
-            "causal in Ulysses on each comm path. Command: torchrun --nproc_per_node="
+            "host us: the host's time to queue one call. Attention: SDPA causal in Ulysses on each comm "
+            "path. Command: torchrun --nproc_per_node="
             f"{world} benchmarks/bench_all_to_all.py"
         )
         notes += "\n\nOne Ulysses attention layer (SDPA causal, bf16):\n\n" + markdown_table(attention)

@@ -162,8 +162,7 @@ def main() -> None:
             f"{world} ranks, each pushing {args.mib_per_peer} MiB of contiguous 256-byte rows into each "
             "peer's symmetric buffer at once; GPU time, the slowest rank's median, variants interleaved, "
             "each call queued behind a GPU sleep and a one-word all-reduce that aligns the ranks; what "
-            "landed checked on every rank first. 4 warps a "
-            "program. Command: torchrun --nproc_per_node="
+            "landed checked on every rank first. 4 warps a program. Command: torchrun --nproc_per_node="
             f"{world} benchmarks/bench_push_floor.py --mib-per-peer {args.mib_per_peer}"
         )
         write_results("push_floor", rows_out, notes)

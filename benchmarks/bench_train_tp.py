@@ -59,9 +59,9 @@ def queue_and_gpu_ms(step: Callable[[], None], step_s: float, samples: int = 3) 
     slower, the host would have queued more than CUDA's launch queue holds and waited, so host_ms
     then reads at most the GPU's time). GPU: CUDA events around one step queued behind a GPU sleep
     of twice its wall time (at ~2 GHz, the same on every rank) and `align_ranks_on_gpu`, so that the
-    ranks start together and the GPU never waits for the
-    host unless the step's launches overflow the queue while it sleeps (then gpu_ms reads at most
-    the host's time). Either way, host_ms above gpu_ms means the step is bound by the host."""
+    ranks start together and the GPU never waits for the host unless the step's launches overflow the
+    queue while it sleeps (then gpu_ms reads at most the host's time). Either way, host_ms above gpu_ms
+    means the step is bound by the host."""
     cycles = int(slowest(4e9 * step_s))
     host, gpu = [], []
     for _ in range(samples):
@@ -220,10 +220,9 @@ def main() -> None:
             f"{opts.steps} steps after {opts.warmup} warm-up steps, every path from the same weights on the "
             "same tokens; host_ms: the host's time to queue one step on an idle GPU, gpu_ms: the GPU's time "
             "to run one step queued behind a GPU sleep and a one-word all-reduce that aligns the ranks "
-            "(host_ms above gpu_ms: the step waits on the host) "
-            "(max loss diff: the largest difference of a step's loss from the first path's, "
-            f"train_tp_losses-llama3_8b-L{opts.layers}). MFU = tokens/s/GPU x model FLOPs/token / dense "
-            "bf16 peak."
+            "(host_ms above gpu_ms: the step waits on the host) (max loss diff: the largest difference of a "
+            f"step's loss from the first path's, train_tp_losses-llama3_8b-L{opts.layers}). MFU = "
+            "tokens/s/GPU x model FLOPs/token / dense bf16 peak."
         )
         write_results(f"train_tp-llama3_8b-L{opts.layers}", rows, notes=notes, device=device_name())
         if loss_rows:
