@@ -20,20 +20,14 @@ benchmarks/results/decode-<model>[-compiled]-<device>.{json,md}.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from benchmarks.common import add_decode_shape_args, refuse_shared_gpu, write_results
-from configs.schema import register_configs
+from benchmarks.common import add_decode_shape_args, preset_args, refuse_shared_gpu, write_results
 from model.memory import check_serving_fits
 from parallel import distributed
 from parallel.mesh import ParallelDims, build_mesh, validate_comm_ops, validate_model
 from serve import benchmark_decode, build_model
-
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 def with_skipped(notes: str, skipped: list[str]) -> str:
@@ -64,9 +58,6 @@ def main() -> None:
     distributed.init_distributed()
     world = distributed.world_size()
     device = torch.device("cuda", torch.cuda.current_device())
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
-        cfg = compose("serve", overrides=[f"model={opts.model}"])
     launcher = f"torchrun --nproc_per_node={world} " if world > 1 else "python "
     flags = "".join(
         flag for flag, on in [(" --fp8", opts.fp8), (" --fp8-only", opts.fp8_only), (" --stock", opts.stock),
@@ -93,13 +84,13 @@ def main() -> None:
         if world > 1:
             dims = ParallelDims(dp=1, cp=1, tp=world, comm=comm)
             validate_comm_ops(dims, training=False)
-            validate_model(dims, OmegaConf.to_object(cfg.model), training=False)
+            validate_model(dims, preset_args(opts.model), training=False)
             mesh = build_mesh(dims, "cuda")
         # (model.fp8, model.decode_kernels): bf16 on weft's kernels, on the stock modules, FP8.
         variants = [] if opts.fp8_only else [(False, True)] + [(False, False)] * opts.stock
         variants += [(True, True)] * (opts.fp8 or opts.fp8_only)
         for fp8, decode_kernels in variants:
-            args = OmegaConf.to_object(cfg.model)
+            args = preset_args(opts.model)
             args.fp8, args.decode_kernels = fp8, decode_kernels
             label = "fp8" if fp8 else "bf16" if decode_kernels else "bf16 (stock)"
             try:  # the estimate decides alike on every rank

@@ -19,9 +19,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from model.args import ModelArgs
 from report import environment, markdown_table
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
 def device_name(gpus: int | None = None) -> str:
@@ -234,3 +236,15 @@ def add_decode_shape_args(parser: argparse.ArgumentParser, batch_sizes: list[int
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=batch_sizes)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--decode-steps", type=int, default=128, help="cache = prompt + this")
+
+
+def preset_args(preset: str) -> ModelArgs:
+    """A fresh copy of model preset `preset`'s args, as serve.py composes them (configs/model/)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from configs.schema import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIGS_DIR), version_base=None):
+        return OmegaConf.to_object(compose("serve", overrides=[f"model={preset}"]).model)

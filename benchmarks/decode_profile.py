@@ -25,20 +25,14 @@ import argparse
 import re
 from collections import defaultdict
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 import kernels.fp8
-from benchmarks.common import add_decode_shape_args, time_events, write_results
-from configs.schema import register_configs
+from benchmarks.common import add_decode_shape_args, preset_args, time_events, write_results
 from model.generate import DecodeStep, prefill
 from model.llama import Llama
 from serve import build_model, decode_bytes_per_step, kv_cache_bytes, memory_bandwidth
-
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 # Op classes by kernel name (a regular expression, case-insensitive), tried in this order: the first
 # match wins, so the narrow classes come before the broad ones (flash attention's kernels mention
@@ -174,9 +168,6 @@ def main() -> None:
     if opts.no_pdl:
         kernels.fp8.USE_PDL = False
     device = torch.device("cuda", torch.cuda.current_device())
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base=None):
-        cfg = compose("serve", overrides=[f"model={opts.model}"])
     flags = " --fp8" * opts.fp8 + " --compile" * opts.compile + " --no-pdl" * opts.no_pdl
     name = f"decode_profile-{opts.model}" + "-compiled" * opts.compile + "-nopdl" * opts.no_pdl
     notes = (
@@ -189,7 +180,7 @@ def main() -> None:
     cache_len = opts.prompt_len + opts.decode_steps
     rows, others = [], []
     for fp8 in [False, True] if opts.fp8 else [False]:
-        args = OmegaConf.to_object(cfg.model)
+        args = preset_args(opts.model)
         args.fp8 = fp8
         model = build_model(args, None, device, torch.bfloat16)
         for compile in [False, True] if opts.compile else [False]:

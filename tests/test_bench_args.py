@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import bench_decode_attention
+from benchmarks import bench_decode_attention, tune_decode
 from benchmarks.bench_fp8 import shape_arg
+from kernels.fp8_gemm import GemmConfig
+from model.fp8 import Fp8Weight
 
 
 def test_tune_shapes_parse_and_reject_clearly() -> None:
@@ -18,6 +20,32 @@ def test_tune_shapes_parse_and_reject_clearly() -> None:
     for bad in ("8192by8192", "8192x", "x4096", "0x4096", "-1x8", "4096x14336x2"):
         with pytest.raises(argparse.ArgumentTypeError, match="NxK"):
             shape_arg(bad)
+
+
+def test_decode_tune_candidates_split_k_within_two_programs_per_sm() -> None:
+    found = tune_decode.candidates(16, 6144, 4096, 132)
+    assert GemmConfig(64, 512, 1, num_stages=3, swap_ab=True) in found
+    assert len(set(found)) == len(found)
+    for config in found:
+        tiles = -(-6144 // config.block_n)
+        assert config.split_k == 1 or tiles * config.split_k <= 264
+        assert 4096 // config.split_k >= config.block_k
+    assert {c.split_k for c in found if c.block_n == 64} == {1, 2}  # 96 tiles: 3 slices would be 288 programs
+    assert {c.split_k for c in tune_decode.candidates(16, 28672, 4096, 132)} == {1}
+
+
+def test_decode_tune_takes_one_m_bucket_at_a_time() -> None:
+    assert tune_decode.check_one_bucket([1, 8]) == 16
+    with pytest.raises(SystemExit, match="different M buckets"):
+        tune_decode.check_one_bucket([8, 32])
+    with pytest.raises(SystemExit, match="up to M = 64"):
+        tune_decode.check_one_bucket([128])
+
+
+def test_decode_tune_finds_each_fp8_weight_shape_once_in_step_order() -> None:
+    qkv, o = torch.randn(96, 64), torch.randn(64, 64)
+    model = torch.nn.Sequential(Fp8Weight(qkv[:64], qkv[64:]), Fp8Weight(o), Fp8Weight(qkv[:64], qkv[64:]))
+    assert tune_decode.decode_gemm_shapes(model) == [(96, 64), (64, 64)]
 
 
 def test_decode_attention_benchmark_smoke_run() -> None:
