@@ -1,6 +1,7 @@
 """Command-line arguments of the benchmarks, and the smoke runs, that a CPU can check."""
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,14 @@ def test_decode_tune_takes_one_m_bucket_at_a_time() -> None:
         tune_decode.check_one_bucket([8, 32])
     with pytest.raises(SystemExit, match="up to M = 64"):
         tune_decode.check_one_bucket([128])
+
+
+def test_decode_tune_keeps_the_bucket_rows_of_earlier_runs(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setattr(tune_decode, "RESULTS_DIR", tmp_path)
+    assert tune_decode.earlier_rows("decode_tune-x", 16) == []
+    rows = [{"M_bucket": 16, "N": 1, "K": 2}, {"M_bucket": 32, "N": 1, "K": 2}]
+    (tmp_path / "decode_tune-x-cpu.json").write_text(json.dumps({"rows": rows}))
+    assert tune_decode.earlier_rows("decode_tune-x", 16) == rows[:1]
 
 
 def test_decode_tune_finds_each_fp8_weight_shape_once_in_step_order() -> None:
