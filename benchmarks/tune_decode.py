@@ -7,7 +7,7 @@ with the fastest whole step (CUDA graph, random weights), one shape at a time.
 holding every SM's shared memory. In the decode step the kernel before a GEMM is a norm, the attention
 or SwiGLU, which leave SMs free, so a config that loads more of its weight before the PDL wait can win
 there and lose back to back. On one H100 (Llama-3-8B, compiled FP8 step) the qkv projection's config
-chosen this way took batch 1 from 3.118 to 3.089 ms and batch 8 from 3.437 to 3.373 ms.
+chosen this way took batch 1 from 3.119 to 3.087 ms and batch 8 from 3.437 to 3.375 ms.
 
 The batch sizes must share one M bucket (kernels.fp8_gemm.m_bucket): a config serves every M of its
 bucket, so each candidate is judged by the sum of their step times. Candidates: bench_fp8's tune
