@@ -7,7 +7,8 @@ with the fastest whole step (CUDA graph, random weights), one shape at a time.
 holding every SM's shared memory. In the decode step the kernel before a GEMM is a norm, the attention
 or SwiGLU, which leave SMs free, so a config that loads more of its weight before the PDL wait can win
 there and lose back to back. On one H100 (Llama-3-8B, compiled FP8 step) the qkv projection's config
-chosen this way took batch 1 from 3.119 to 3.087 ms and batch 8 from 3.437 to 3.375 ms.
+it found ran batch 1 at 3.087 against 3.119 ms and batch 8 at 3.375 against 3.437 ms
+(decode_tune-llama3_8b-h100.md).
 
 The batch sizes must share one M bucket (kernels.fp8_gemm.m_bucket): a config serves every M of its
 bucket, so each candidate is judged by the sum of their step times. Candidates: bench_fp8's tune
