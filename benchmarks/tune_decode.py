@@ -1,23 +1,27 @@
-"""Tune the FP8 decode GEMMs' tile configs inside the decode step: each weight shape's config is the one
-with the fastest whole step (CUDA graph, random weights), one shape at a time.
+"""Tune the decode GEMMs' tile configs inside the decode step: each weight shape's config is the one with
+the fastest whole step (CUDA graph, random weights), one shape at a time. FP8 by default; `--dtype bf16`
+tunes the bf16 decode path's GEMMs (the same kernel, model.decode_kernels), kept under "bf16," keys.
 
     python -m benchmarks.tune_decode --model llama3_8b [--batch-sizes 1 8] [--shapes 6144x4096 ...]
+    python -m benchmarks.tune_decode --model llama3_8b --dtype bf16 --shapes 28672x4096
 
 `bench_fp8 --tune` times each GEMM in back-to-back calls, where the kernel before it is another GEMM
 holding every SM's shared memory. In the decode step the kernel before a GEMM is a norm, the attention
 or SwiGLU, which leave SMs free, so a config that loads more of its weight before the PDL wait can win
 there and lose back to back. On one H100 (Llama-3-8B, compiled FP8 step) the qkv projection's config
-it found ran batch 1 at 3.087 against 3.119 ms and batch 8 at 3.375 against 3.437 ms
-(decode_tune-llama3_8b-h100.md).
+it found ran batch 1 at 3.087 against 3.119 ms and batch 8 at 3.375 against 3.437 ms, alternated
+twice (decode_tune-llama3_8b-h100.md).
 
 The batch sizes must share one M bucket (kernels.fp8_gemm.m_bucket): a config serves every M of its
 bucket, so each candidate is judged by the sum of their step times. Candidates: bench_fp8's tune
 space with K split 1-4 ways, at most two programs per SM. A candidate replaces the config in use only
-if it saves more than --min-gain-us on that sum (steps of one config repeat to about 1 us).
+if it saves more than --min-gain-us on that sum: more than one config's steps moved between two
+measurements of one run, 18 us on an H100 (FP8), 27 us (FP8) and 14-36 us (bf16) on an H200 (rows of a
+config measured twice in the result files). Confirm a small gain by alternating bench_decode runs.
 The winners go into kernels/fp8_gemm_configs.json under this GPU's model, after each shape (so a run
 cut short keeps what it found); every candidate's step times go to
-benchmarks/results/decode_tune-<model>-<device>.{json,md}, beside the rows of shapes an earlier run tuned
-(each row dated).
+benchmarks/results/decode_tune-<model>-<device>.{json,md} (bf16: decode_tune_bf16-...), beside the
+rows of shapes an earlier run tuned (each row dated).
 """
 
 from __future__ import annotations
@@ -34,24 +38,27 @@ from torch import nn
 import kernels.fp8_gemm as gemm
 from benchmarks.bench_fp8 import shape_arg, tune_space
 from benchmarks.common import RESULTS_DIR, add_decode_shape_args, device_name, preset_args, write_results
-from kernels.fp8 import programs_cap
+from kernels.fp8 import FP8, programs_cap
+from model.decode import Bf16Weight
 from model.fp8 import Fp8Weight
 from serve import benchmark_decode, build_model
 
 SPLITS = (1, 2, 3, 4)
 
 
-def decode_gemm_shapes(model: nn.Module) -> list[tuple[int, int]]:
-    """The (N, K) of the model's FP8 weights, each once, in the order the step first runs them."""
-    shapes = (tuple(m.weight.shape) for m in model.modules() if isinstance(m, Fp8Weight))
+def decode_gemm_shapes(model: nn.Module, weight_type: type[nn.Module] = Fp8Weight) -> list[tuple[int, int]]:
+    """The (N, K) of the model's decode GEMM weights (Fp8Weight or Bf16Weight modules), each once, in
+    the order the step first runs them."""
+    shapes = (tuple(m.weight.shape) for m in model.modules() if isinstance(m, weight_type))
     return list(dict.fromkeys(shapes))
 
 
-def candidates(bucket: int, n: int, k: int, sm_count: int) -> list[gemm.GemmConfig]:
-    """bench_fp8's tune space for the M bucket, each with every split of K into 1-4 slices that gives
-    each slice at least one K tile and launches at most two programs per SM (a single slice always)."""
+def candidates(bucket: int, n: int, k: int, sm_count: int, element_bytes: int = 1) -> list[gemm.GemmConfig]:
+    """bench_fp8's tune space for the M bucket (bf16: `element_bytes` 2, tiles of the same bytes), each
+    with every split of K into 1-4 slices that gives each slice at least one K tile and launches at most
+    two programs per SM (a single slice always)."""
     found = []
-    for config in tune_space(bucket):
+    for config in tune_space(bucket, element_bytes):
         tiles = -(-n // config.block_n)
         for split in SPLITS:
             if split > 1 and (k // split < config.block_k or tiles * split > 2 * sm_count):
@@ -90,10 +97,16 @@ def main(argv: list[str] | None = None) -> None:
         "--shapes",
         nargs="+",
         type=shape_arg,
-        help="weights NxK to tune (default: every FP8 weight of the model)",
+        help="weights NxK to tune (default: every decode GEMM weight of the model)",
     )
     parser.add_argument(
-        "--min-gain-us", type=float, default=4.0, help="the least saving kept, per step summed"
+        "--dtype",
+        choices=["fp8", "bf16"],
+        default="fp8",
+        help="the decode path whose GEMMs to tune: model.fp8, or bf16 on weft's kernels",
+    )
+    parser.add_argument(
+        "--min-gain-us", type=float, default=40.0, help="the least saving kept, per step summed"
     )
     parser.add_argument(
         "--budget-s", type=float, default=0, help="stop trying candidates after this long (0: none)"
@@ -105,13 +118,15 @@ def main(argv: list[str] | None = None) -> None:
     start = time.monotonic()
     device = torch.device("cuda", torch.cuda.current_device())
     args = preset_args(opts.model)
-    args.fp8 = True
+    args.fp8 = opts.dtype == "fp8"
+    args.decode_kernels = True
+    dtype, element_bytes = (FP8, 1) if args.fp8 else (torch.bfloat16, 2)
     model = build_model(args, None, device, torch.bfloat16)
-    shapes = decode_gemm_shapes(model)
+    shapes = decode_gemm_shapes(model, Fp8Weight if args.fp8 else Bf16Weight)
     unknown = [f"{n}x{k}" for n, k in opts.shapes or [] if (n, k) not in shapes]
     if unknown:
         raise SystemExit(
-            f"{', '.join(unknown)}: not a weight of {opts.model}'s FP8 decode step "
+            f"{', '.join(unknown)}: not a weight of {opts.model}'s {opts.dtype} decode step "
             f"({', '.join(f'{n}x{k}' for n, k in shapes)})"
         )
     gpu = gemm.gpu_model(device)
@@ -124,22 +139,23 @@ def main(argv: list[str] | None = None) -> None:
             for b in opts.batch_sizes
         ]
 
-    name = f"decode_tune-{opts.model}"
+    name = f"decode_tune-{opts.model}" if args.fp8 else f"decode_tune_bf16-{opts.model}"
     tuned = opts.shapes or shapes
     rows = [r for r in earlier_rows(name, bucket) if (r["N"], r["K"]) not in tuned]
     batches = " ".join(map(str, opts.batch_sizes))
     notes = (
-        f"`python -m benchmarks.tune_decode --model {opts.model} --batch-sizes {batches}`: FP8 decode step "
-        f"(prompt {opts.prompt_len}, {opts.decode_steps} steps timed, CUDA graph, not compiled) per "
+        f"`python -m benchmarks.tune_decode --model {opts.model} --batch-sizes {batches} "
+        f"--dtype {opts.dtype}`: {opts.dtype} decode step (prompt {opts.prompt_len}, {opts.decode_steps} "
+        "steps timed, CUDA graph, not compiled) per "
         f"candidate config of each weight shape, M bucket {bucket}; ms per step at batch {batches}; "
         "'kept' marks each shape's config after the run"
     )
     for n, k in tuned:
-        key = gemm.config_key(bucket, n, k)
-        best = gemm.config_for(bucket, n, k, device)
+        key = gemm.config_key(bucket, n, k, dtype)
+        best = gemm.config_for(bucket, n, k, device, dtype)
         best_ms = step_ms()
         tried = [(best, best_ms)]
-        for config in candidates(bucket, n, k, programs_cap(device)):
+        for config in candidates(bucket, n, k, programs_cap(device), element_bytes):
             if config == best or (opts.budget_s and time.monotonic() - start > opts.budget_s):
                 continue
             gemm.TUNED[gpu] = {**table, key: config}

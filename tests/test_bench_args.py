@@ -1,6 +1,7 @@
 """Command-line arguments of the benchmarks, and the smoke runs, that a CPU can check."""
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import torch
 from benchmarks import bench_decode_attention, tune_decode
 from benchmarks.bench_fp8 import shape_arg
 from kernels.fp8_gemm import GemmConfig
+from model.decode import Bf16Weight
 from model.fp8 import Fp8Weight
 
 
@@ -35,6 +37,12 @@ def test_decode_tune_candidates_split_k_within_two_programs_per_sm() -> None:
     assert {c.split_k for c in tune_decode.candidates(16, 28672, 4096, 132)} == {1}
 
 
+def test_decode_tune_bf16_candidates_hold_the_same_bytes_per_tile() -> None:
+    fp8 = tune_decode.candidates(16, 4096, 14336, 132)
+    bf16 = tune_decode.candidates(16, 4096, 14336, 132, element_bytes=2)
+    assert [dataclasses.replace(c, block_k=c.block_k // 2) for c in fp8] == bf16
+
+
 def test_decode_tune_takes_one_m_bucket_at_a_time() -> None:
     assert tune_decode.check_one_bucket([1, 8]) == 16
     with pytest.raises(SystemExit, match="different M buckets"):
@@ -55,6 +63,8 @@ def test_decode_tune_finds_each_fp8_weight_shape_once_in_step_order() -> None:
     qkv, o = torch.randn(96, 64), torch.randn(64, 64)
     model = torch.nn.Sequential(Fp8Weight(qkv[:64], qkv[64:]), Fp8Weight(o), Fp8Weight(qkv[:64], qkv[64:]))
     assert tune_decode.decode_gemm_shapes(model) == [(96, 64), (64, 64)]
+    bf16 = torch.nn.Sequential(Bf16Weight(qkv[:64], qkv[64:]), Fp8Weight(o), Bf16Weight(o))
+    assert tune_decode.decode_gemm_shapes(bf16, Bf16Weight) == [(96, 64), (64, 64)]
 
 
 def test_decode_attention_benchmark_smoke_run() -> None:
