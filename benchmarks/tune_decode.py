@@ -8,9 +8,9 @@ tunes the bf16 decode path's GEMMs (the same kernel, model.decode_kernels), kept
 `bench_fp8 --tune` times each GEMM in back-to-back calls, where the kernel before it is another GEMM
 holding every SM's shared memory. In the decode step the kernel before a GEMM is a norm, the attention
 or SwiGLU, which leave SMs free, so a config that loads more of its weight before the PDL wait can win
-there and lose back to back. On one H100 (Llama-3-8B, compiled FP8 step) the qkv projection's config
-it found ran batch 1 at 3.087 against 3.119 ms and batch 8 at 3.375 against 3.437 ms, alternated
-twice (decode_tune-llama3_8b-h100.md).
+there and lose back to back. On one H100 (Llama-3-8B, compiled FP8 step) a qkv projection config it
+found (6 stages, early tile) ran batch 1 at 3.087 against 3.119 ms and batch 8 at 3.375 against 3.437
+ms, alternated twice; later runs kept a 3-stage one within 8 us of it (decode_tune-llama3_8b-h100.md).
 
 The batch sizes must share one M bucket (kernels.fp8_gemm.m_bucket): a config serves every M of its
 bucket, so each candidate is judged by the sum of their step times. Candidates: bench_fp8's tune
