@@ -5,6 +5,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,44 @@ def test_decode_tune_bf16_candidates_hold_the_same_bytes_per_tile() -> None:
     fp8 = tune_decode.candidates(16, 4096, 14336, 132)
     bf16 = tune_decode.candidates(16, 4096, 14336, 132, element_bytes=2)
     assert [dataclasses.replace(c, block_k=c.block_k // 2) for c in fp8] == bf16
+
+
+def _fake_steps(steps: dict[str, list[float]]) -> Callable[[GemmConfig], list[float]]:
+    """measure() for pick_config: each call of config block_n = n takes the next of steps["c<n>"] (ms,
+    one batch size); block_n = 1 fails as a config the compiler rejects would."""
+
+    def measure(config: GemmConfig) -> list[float]:
+        name = f"c{config.block_n}"
+        if name == "c1":
+            raise RuntimeError("out of shared memory")
+        return [steps[name].pop(0)]
+
+    return measure
+
+
+def test_decode_tune_keeps_a_winner_only_if_it_wins_every_confirm_round() -> None:
+    in_use, bad, fast, faster = (GemmConfig(n, 64, 1) for n in (64, 1, 32, 16))
+    # faster wins the sweep (bad skipped) and both confirm rounds, by 25 and 31 us
+    measure = _fake_steps({"c64": [3.0, 3.0, 3.001], "c32": [2.99], "c16": [2.97, 2.975, 2.97]})
+    best, tried = tune_decode.pick_config(in_use, [in_use, bad, fast, faster], measure, 10, 2, lambda: False)
+    assert best == faster
+    assert [c for c, _ in tried] == [in_use, fast, faster, in_use, faster, in_use, faster]
+    # the same sweep, but the second round finds it 5 us faster, within the 10 us of noise
+    measure = _fake_steps({"c64": [3.0, 3.0, 2.98], "c32": [2.99], "c16": [2.97, 2.975, 2.975]})
+    best, tried = tune_decode.pick_config(in_use, [fast, faster], measure, 10, 2, lambda: False)
+    assert best == in_use and len(tried) == 7
+    # nothing better than 10 us: no confirm rounds
+    measure = _fake_steps({"c64": [3.0], "c32": [2.995]})
+    assert tune_decode.pick_config(in_use, [fast], measure, 10, 2, lambda: False) == (
+        in_use,
+        [(in_use, [3.0]), (fast, [2.995])],
+    )
+    # out of time after the config in use
+    measure = _fake_steps({"c64": [3.0]})
+    assert tune_decode.pick_config(in_use, [fast, faster], measure, 10, 2, lambda: True) == (
+        in_use,
+        [(in_use, [3.0])],
+    )
 
 
 def test_decode_tune_takes_one_m_bucket_at_a_time() -> None:
