@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import json
+import shlex
 import subprocess
 import sys
 from collections.abc import Callable
@@ -253,3 +254,46 @@ def test_failures_at_once_prints_each_failure_as_it_happens(tmp_path) -> None:
     )
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout.index("the reason") < done.stdout.index("LATER"), done.stdout
+
+
+def test_profile_kernel_runs_each_kernel_on_its_operands() -> None:
+    """Each subcommand at a tiny shape, on the GPU or through the interpreter on the CPU: the output is
+    the kernel's on the operands the seed gives."""
+    from benchmarks import profile_kernel
+    from kernels.fp8 import quantize_per_token, quantize_weight_per_channel
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def run(command: str) -> torch.Tensor:
+        return profile_kernel.main(["--device", dev.type, *shlex.split(command)])
+
+    out = run("--calls 2 attention --batch 2 --cache-len 40 --heads 4 2 16")
+    assert out.shape == (2, 1, 64) and out.dtype == torch.float8_e4m3fn
+
+    out = run("--calls 1 matmul-rs --shape 64 32 48 --world 2")
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float16  # as profile_kernel.matmul_rs
+    a = torch.randn(64, 32, device=dev, dtype=dtype)
+    b = (torch.randn(48, 32, device=dev, dtype=dtype) / 32**0.5).t()
+    expected = (a.float() @ b.float())[:32]  # rank 0's rows; the peers' partials are zeros
+    assert (out.float() - expected).norm() / expected.norm() < 1e-2
+
+    out = run("--calls 1 fp8-gemm --shape 2 64 128")
+    torch.manual_seed(0)
+    w, w_scale = quantize_weight_per_channel(torch.randn(64, 128, device=dev, dtype=torch.bfloat16))
+    x, x_scale = quantize_per_token(torch.randn(2, 128, device=dev, dtype=torch.bfloat16))
+    expected = (x.float() * x_scale.view(-1, 1)) @ (w.float() * w_scale.view(-1, 1)).t()
+    assert (out.float() - expected).norm() / expected.norm() < 1e-2
+
+    with pytest.raises(SystemExit, match="do not share"):
+        run("attention --heads 6 4 16")
+    with pytest.raises(SystemExit):
+        run("fp8-gemm --shape 0 64 128")
+
+
+def test_profile_kernel_needs_the_interpreter_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import profile_kernel
+
+    monkeypatch.setattr(profile_kernel, "INTERPRETED", False)
+    with pytest.raises(SystemExit, match="TRITON_INTERPRET=1"):
+        profile_kernel.main(["--device", "cpu", "attention"])
