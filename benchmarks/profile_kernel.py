@@ -20,8 +20,9 @@ Each subcommand runs its kernel --calls times (the first call compiles it: skip 
 For the stall samples of each instruction add `--section SourceCounters -o report`, then
 `ncu -i report.ncu-rep --page source --csv --print-source sass`. ncu runs each kernel alone with the
 caches flushed, so nothing overlaps it as programmatic dependent launch does in the decode step. The
-profiles quoted in matmul_rs_gemm-h100.md and decode_attention-h100.md were taken this way. Without a
-GPU (or with --device cpu) it runs only under TRITON_INTERPRET=1, as a smoke run.
+profiles quoted in matmul_rs_gemm-h100.md, decode_attention-h100.md and decode_tune-llama3_8b-h100.md
+were taken this way. Without a GPU (or with --device cpu) it runs only under TRITON_INTERPRET=1, as a
+smoke run.
 """
 
 from __future__ import annotations
