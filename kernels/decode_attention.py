@@ -328,16 +328,18 @@ def _decode_attention_kernel(
         keys, values = _load_tile(k_cache_ptr, v_cache_ptr, cache, first, stop, dim, D, BLOCK)
         m_i, l_i, acc = _attend_tile(q, keys, values, first, stop, m_i, l_i, acc, qk_scale, BLOCK, SNAP)
 
-    # The current position, from registers, in the split that holds it.
-    score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
-    score = tl.where(holds_pos, score, float("-inf"))
-    m_new = tl.maximum(m_i, score)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(score - m_new)
-    l_i = l_i * alpha + p
-    p = downcast(p, dtype, SNAP).to(tl.float32)
-    acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)
-    m_i = m_new
+    # The current position, from registers, in the split that holds it. A branch, so that the other
+    # splits skip its products and cross-thread sums: one H100, FP8 output, alone 1-5% faster at batch 1
+    # (640 and 4096 positions) and batch 8 x 640, unchanged at batch 8 x 4096 and in the decode step.
+    if holds_pos:
+        score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * qk_scale
+        m_new = tl.maximum(m_i, score)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(score - m_new)
+        l_i = l_i * alpha + p
+        p = downcast(p, dtype, SNAP).to(tl.float32)
+        acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)
+        m_i = m_new
 
     if SPLITS == 1:
         l_i = tl.where(rows < G, l_i, 1.0)  # padding rows: 1 rather than 0 / 0
