@@ -267,8 +267,12 @@ def test_profile_kernel_runs_each_kernel_on_its_operands() -> None:
     def run(command: str) -> torch.Tensor:
         return profile_kernel.main(["--device", dev.type, *shlex.split(command)])
 
-    out = run("--calls 2 attention --batch 2 --cache-len 40 --heads 4 2 16")
-    assert out.shape == (2, 1, 64) and out.dtype == torch.float8_e4m3fn
+    out = run("--calls 2 attention --batch 2 --cache-len 40 --heads 4 2 16 --out bf16")
+    torch.manual_seed(0)
+    operands = bench_decode_attention.operand_sets(2, 4, 2, 16, 40, dev, 1)[0]
+    expected = bench_decode_attention.da.decode_attention_reference(*operands).float()
+    assert out.shape == expected.shape and (out.float() - expected).norm() / expected.norm() < 1e-2
+    assert run("--calls 1 attention --batch 2 --cache-len 40 --heads 4 2 16").dtype == torch.float8_e4m3fn
 
     out = run("--calls 1 matmul-rs --shape 64 32 48 --world 2")
     torch.manual_seed(0)
