@@ -60,6 +60,13 @@ index) and later waits on the group return at once, so no call hangs on a lost p
 raises SymmMemTimeout naming the rank; the group's state is then unusable. The stream waits are only
 on this rank's own words, which its stage launch always sets.
 
+The host queues the stage launch, then the copy streams' work, then the own launch (as
+kernels/ag_matmul.py queues its copies before the GEMM that waits for them): a launch that waits for
+the peers, queued ahead of this rank's copies, could hold them back. Under serialised launches
+(CUDA_LAUNCH_BLOCKING=1, a profiler) every rank's own launch would spin on copies its host had not yet
+queued, and a copy stream that shares a hardware queue with the caller's stream would wait behind it
+(8 ranks sharing one H100 under MPS, in the other order: every rank's own launch timed out).
+
 What runs where (decided here; parallel/comm.py's triton path calls `matmul_reduce_scatter`):
 * the kernel: bf16 on CUDA, world size 2, 4 or 8, `dim` not the last, d_dim divisible by W, K and N
   multiples of 8 (TMA row strides), b either a contiguous [K, N] matrix or `weight.t()` of a contiguous
@@ -486,8 +493,10 @@ def launch(
 ) -> tuple[triton.compiler.CompiledKernel, ...]:
     """Launch the stage and/or own launch (`part`: "stage", "own" or "both") of this rank's call:
     `out` ([P, R, N], contiguous) = this rank's rows of the sum over ranks of `a` ([P, W, R, K],
-    contiguous) @ `b`, each launch with at most `num_programs` programs. The copies between them are
-    the caller's (`_GroupState`). Returns the compiled kernels, in launch order."""
+    contiguous) @ `b`, each launch with at most `num_programs` programs. The own launch follows the
+    call's stage launch on the same stream (programmatic dependent launch where compiled), whether
+    launched with it or on its own after the copies have been queued (`_GroupState`), which are the
+    caller's. Returns the compiled kernels, in launch order."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     p, w, r, k, n = layout.pieces, layout.world, layout.rows, layout.k, layout.n
     if tuple(a.shape) != (p, w, r, k) or not a.is_contiguous():
@@ -529,7 +538,7 @@ def launch(
         )  # fmt: skip
         kernels += (stage,)
     if part in ("own", "both"):
-        after_stage = part == "both" and not INTERPRETED
+        after_stage = not INTERPRETED
         own = _matmul_rs_own_kernel[(min(num_programs, per_dest),)](
             a_desc, b_desc, out, buffers.received, buffers.flags, buffers.status, timeout_ns, k, r, n, p,
             chunks, OP_ID=OP, AFTER_STAGE=after_stage, SPIN=not INTERPRETED,
@@ -787,15 +796,14 @@ class _GroupState:
         return _CopyPlan(buffers=buffers, steps=steps, grants=grants)
 
     def start(self, stream: torch.cuda.Stream) -> None:
-        """Mark where the call's copy streams start on `stream`: before the launches, since a start
-        after them would wait for the own launch, which waits for the peers' copies."""
+        """Mark where the call's copy streams start on `stream`: before the stage launch, so that each
+        copy waits for its chunk's counter rather than for the whole launch to end."""
         self.fork.record(stream)
 
-    def copy(self, stream: torch.cuda.Stream, plan: _CopyPlan) -> None:
-        """Queue the call's copies and signals from `start` on, after both launches (kernels/stream_ops.py:
-        lazy loading). The first copy stream waits until the stage launch took the credits; `stream`
-        then resets this rank's chunk flags, grants every peer its credit and waits for the copy
-        streams."""
+    def copy(self, plan: _CopyPlan) -> None:
+        """Queue the call's copies and signals on the copy streams, from `start` on: after the stage
+        launch (kernels/stream_ops.py: lazy loading) and before the own launch (module docstring). The
+        first copy stream waits until the stage launch took the credits."""
         first = self.streams[0]
         first.wait_event(self.fork)
         credited = plan.buffers.credited.data_ptr()
@@ -812,6 +820,10 @@ class _GroupState:
                 stream_ops.copy(handle, dst, src, nbytes)
                 stream_ops.write(handle, flag, 1)
             join.record(copies)
+
+    def finish(self, stream: torch.cuda.Stream, plan: _CopyPlan) -> None:
+        """After the own launch, on `stream`: reset this rank's chunk flags, grant every peer its credit
+        and wait for the copy streams."""
         handle = stream.cuda_stream
         stream_ops.fill(handle, plan.buffers.flags.data_ptr(), 0, plan.buffers.flags.numel())
         for grant in plan.grants:
@@ -895,19 +907,13 @@ def matmul_reduce_scatter_kernel(
     num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     plan = state.plan(layout, cfg, data)
     stream = torch.cuda.current_stream()
+    call = (a4, b, out.view(layout.pieces, layout.rows, layout.n), layout, plan.buffers, dist.get_rank(group),
+            cfg, grid_size(layout, cfg, num_sms), int(timeout_s * 1e9))  # fmt: skip
     state.start(stream)
-    launch(
-        a4,
-        b,
-        out.view(layout.pieces, layout.rows, layout.n),
-        layout,
-        plan.buffers,
-        dist.get_rank(group),
-        cfg,
-        grid_size(layout, cfg, num_sms),
-        int(timeout_s * 1e9),
-    )
-    state.copy(stream, plan)
+    launch(*call, part="stage")
+    state.copy(plan)
+    launch(*call, part="own")
+    state.finish(stream, plan)
     return out
 
 

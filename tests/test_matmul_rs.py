@@ -22,7 +22,8 @@ CPU (Triton interpreter, gloo):
 GPU (2 and 4 ranks, NCCL beside): the registered op against torch.matmul + reduce_scatter_tensor at
 bf16 tolerance on fresh inputs, ragged N, K and rows (M/W = 129), both b layouts, dim=1 with B=2,
 outputs poisoned; CUDA-graph capture with replays on fresh inputs mixed with eager calls; a rank that
-never enters -> SymmMemTimeout naming it.
+never enters -> SymmMemTimeout naming it; two ranks with CUDA_LAUNCH_BLOCKING=1, where a rank's own
+launch ends only if its peers queued their copies before their own launches.
 """
 
 import ctypes
@@ -603,6 +604,32 @@ def _run_on_rank(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", GPU_WORLDS)
 def test_matmul_rs_gpu(world: int) -> None:
     run_ranks(_run_on_rank, world, backend="nccl")
+
+
+def _serialised(rank: int, world: int) -> None:
+    """Two calls with every kernel launch returning only once its kernel has ended: a rank's own launch
+    ends only if every rank queued its copies before its own launch. The reference is summed from every
+    rank's seeded inputs, so nothing but the op itself runs a collective kernel."""
+    dev = rank_gpu()
+    for call, (rows, k, n) in enumerate(((64, 256, 128), (129, 512, 256))):
+        shards = []
+        for r in range(world):
+            torch.manual_seed(100 * call + r)
+            a = torch.randn(rows * world, k, device=dev, dtype=torch.bfloat16)
+            shards.append((a, _weight(k, n, True, dev)))
+        a, b = shards[rank]
+        out = mrs.matmul_reduce_scatter(a, b, 0)
+        torch.cuda.synchronize()
+        mrs.check()
+        total = sum(x.float() @ w.float() for x, w in shards)
+        _check(out, total.chunk(world)[rank], f"rank {rank} call {call}")
+
+
+@pytest.mark.multigpu(n=2)
+def test_matmul_rs_gpu_with_serialised_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA_LAUNCH_BLOCKING=1 (a debugging setting; profilers serialise launches alike)."""
+    monkeypatch.setenv("CUDA_LAUNCH_BLOCKING", "1")
+    run_ranks(_serialised, 2, backend="nccl")
 
 
 @pytest.mark.gpu
