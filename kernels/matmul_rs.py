@@ -61,11 +61,11 @@ raises SymmMemTimeout naming the rank; the group's state is then unusable. The s
 on this rank's own words, which its stage launch always sets.
 
 The host queues the stage launch, then the copy streams' work, then the own launch (as
-kernels/ag_matmul.py queues its copies before the GEMM that waits for them): a launch that waits for
-the peers, queued ahead of this rank's copies, could hold them back. Under serialised launches
-(CUDA_LAUNCH_BLOCKING=1, a profiler) every rank's own launch would spin on copies its host had not yet
-queued, and a copy stream that shares a hardware queue with the caller's stream would wait behind it
-(8 ranks sharing one H100 under MPS, in the other order: every rank's own launch timed out).
+kernels/ag_matmul.py queues its copies before the GEMM that waits for them): under serialised launches
+(CUDA_LAUNCH_BLOCKING=1, some profilers) a launch returns only when its kernel has ended, so an own
+launch queued ahead of this rank's copies would spin on copies no host had queued yet, on every rank.
+Where ranks share a GPU (parallel/shared_gpu.py), the copies are copies within one device, which run
+on the sender's SMs: the own launch then leaves one SM free (`own_programs`).
 
 What runs where (decided here; parallel/comm.py's triton path calls `matmul_reduce_scatter`):
 * the kernel: bf16 on CUDA, world size 2, 4 or 8, `dim` not the last, d_dim divisible by W, K and N
@@ -102,6 +102,7 @@ from kernels.symm_mem import (
     DEFAULT_TIMEOUT_S,
     INTERPRETED,
     SymmBuffer,
+    check_group,
     check_status,
     eager_or_op,
     get_symm_buffer,
@@ -553,6 +554,15 @@ def grid_size(layout: ScatterLayout, config: GemmConfig, num_sms: int) -> int:
     return min(num_sms, layout.world * layout.tiles_per_dest(config))
 
 
+def own_programs(programs: int, num_sms: int, shares_gpu: bool) -> int:
+    """Programs of the own launch. Where the group's ranks share a GPU, the copies between their
+    buffers are copies within one device, which need an SM of the sender (measured on an H100: a copy
+    issued while kernels fill every SM lands only once one of them ends). The own launch, whose
+    programs spin until the peers' copies land, then leaves one SM free: on every SM, 8 ranks sharing
+    one H100 timed out, each waiting for a copy that its sender's own launch held back."""
+    return min(programs, max(1, num_sms - 1)) if shares_gpu else programs
+
+
 class GemmAlone:
     """The GEMM of one `matmul_reduce_scatter_kernel` call of rank `rank` of `world`, with the
     communication taken out: the stage launch fills its staging slots and counters as in the call, and
@@ -757,6 +767,7 @@ class _GroupState:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.flags = get_symm_buffer(group, FLAG_BUFFER_BYTES, torch.uint8, tag=FLAG_TAG)
+        self.shares_gpu = check_group(group)  # cached by get_symm_buffer: not collective here
         words = self.flags.view(0, FLAG_BUFFER_BYTES // 4, torch.int32)
         words.zero_()
         self.credits = words[:CREDITS]
@@ -907,12 +918,13 @@ def matmul_reduce_scatter_kernel(
     num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
     plan = state.plan(layout, cfg, data)
     stream = torch.cuda.current_stream()
-    call = (a4, b, out.view(layout.pieces, layout.rows, layout.n), layout, plan.buffers, dist.get_rank(group),
-            cfg, grid_size(layout, cfg, num_sms), int(timeout_s * 1e9))  # fmt: skip
+    args = (a4, b, out.view(layout.pieces, layout.rows, layout.n), layout, plan.buffers, dist.get_rank(group),
+            cfg)  # fmt: skip
+    programs, timeout_ns = grid_size(layout, cfg, num_sms), int(timeout_s * 1e9)
     state.start(stream)
-    launch(*call, part="stage")
+    launch(*args, programs, timeout_ns, part="stage")
     state.copy(plan)
-    launch(*call, part="own")
+    launch(*args, own_programs(programs, num_sms, state.shares_gpu), timeout_ns, part="own")
     state.finish(stream, plan)
     return out
 

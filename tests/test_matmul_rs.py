@@ -436,6 +436,11 @@ def test_pick_config_and_dispatch() -> None:
         cfg = mrs.pick_config(layout(rows, 7168))
         assert cfg.group_m == group_m, (rows, cfg)
         assert layout(rows, 7168).chunk_count(cfg) >= min(2, layout(rows, 7168).row_tiles(cfg))
+    # The own launch leaves copies within one GPU an SM where the ranks share it, and only there.
+    assert mrs.own_programs(132, 132, shares_gpu=False) == 132
+    assert mrs.own_programs(16, 16, shares_gpu=True) == 15
+    assert mrs.own_programs(6, 16, shares_gpu=True) == 6
+    assert mrs.own_programs(1, 1, shares_gpu=True) == 1
     from parallel.comm import _find_kernel
 
     assert _find_kernel("matmul_reduce_scatter") is mrs.matmul_reduce_scatter
