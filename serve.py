@@ -232,17 +232,20 @@ def prepare_completion(cfg: ServeConfig, checkpoint: Path | None, args: ModelArg
             if cfg.messages is not None
             else [{"role": "user", "content": cfg.prompt}]
         )
+        # `messages` is a chat whatever `chat` says: the way out is to drop it.
+        asked = "chat=true" if cfg.messages is None else "messages= is set"
+        plain = "chat=false" if cfg.messages is None else "without messages="
         if not isinstance(tokenizer, HFTokenizer):
             raise ValueError(
-                "chat=true but the tokenizer (weft's byte tokenizer) has no chat template: "
-                "give a plain prompt (chat=false)"
+                f"{asked} but the tokenizer (weft's byte tokenizer) has no chat template: "
+                f"give a plain prompt ({plain})"
             )
         template = load_chat_template(directory)
         if template is None:
             raise ValueError(
-                f"chat=true but the tokenizer ({directory}) has no chat template: add the model's "
+                f"{asked} but the tokenizer ({directory}) has no chat template: add the model's "
                 "chat_template.jinja (or tokenizer_config.json's chat_template), or give a plain prompt "
-                "(chat=false)"
+                f"({plain})"
             )
         text = render_chat(template, messages, tokenizer.special_tokens)
         ids, echo = tokenizer.encode_prompt(text, special_tokens=False), ""
@@ -323,7 +326,7 @@ def run(cfg: ServeConfig, run_dir: Path) -> None:
     dtype = DTYPES[cfg.dtype]
     torch.manual_seed(cfg.seed)
     checkpoint, args = resolve_init_weights(cfg.checkpoint, OmegaConf.to_object(cfg.model))
-    validate_model(dims, args, training=False)
+    validate_model(dims, args)
     completion = prepare_completion(cfg, checkpoint, args) if cfg.mode == "generate" else None
     if completion is None:
         if cfg.prompt_len + cfg.decode_steps > args.max_seq_len:

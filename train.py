@@ -35,7 +35,7 @@ from configs.schema import TrainConfig
 from configs.validate import validate_train_config
 from model.args import ModelArgs
 from model.checkpoint import load_checkpoint, load_newest_intact, save_checkpoint
-from model.data import build_dataset, load_documents
+from model.data import PackedDataset, build_dataset, load_documents
 from model.hf import export_hf
 from model.llama import Llama
 from model.loading import checkpoint_tokenizer, resolve_init_weights
@@ -109,7 +109,7 @@ def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    dataset,
+    dataset: PackedDataset,
     cfg: TrainConfig,
     device: torch.device,
     autocast_dtype: torch.dtype | None,
@@ -212,13 +212,16 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
     world, rank = distributed.world_size(), distributed.rank()
     dims = distributed.validate_parallel(cfg.parallel, world, device)
     validate_comm_ops(dims, training=True)
-    if t.seq_len > args.max_seq_len:
-        raise ValueError(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={args.max_seq_len}")
     if cfg.logging.tensorboard:
         require_tensorboard()
     torch.manual_seed(t.seed)
 
     init_path, args = resolve_init_weights(cfg.checkpoint.init_from, args)
+    if t.seq_len > args.max_seq_len:  # the checkpoint's max_seq_len where one is loaded
+        fix = "lower training.seq_len" if init_path else "lower training.seq_len or raise model.max_seq_len"
+        raise ValueError(
+            f"training.seq_len={t.seq_len} exceeds the model's max_seq_len={args.max_seq_len}: {fix}"
+        )
     validate_model(dims, args, seq_len=t.seq_len)
     # Tensor / context parallel (or FSDP asked for): the (dp, cp, tp) mesh and parallelize_llama.
     # Otherwise every rank holds the whole model and DDP averages gradients, as before.

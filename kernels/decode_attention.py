@@ -83,6 +83,7 @@ from kernels.fp8 import (
     to_fp8,
 )
 from kernels.workspace import Workspaces, persistent_workspace
+from model.llama import apply_rope
 
 BLOCK_N = 64  # cached positions per tile
 MIN_POSITIONS_PER_SPLIT = 32
@@ -104,17 +105,6 @@ MAX_SPLITS = 64
 EMPTY_MAX = tl.constexpr(-1e30)
 LOG2E = 1.4426950408889634
 _COUNTERS: Workspaces = {}
-
-
-def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs of x [B, S, H, D] by rope [S, D / 2, 2] (or [B, S, D / 2, 2])."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    if rope.dim() == 3:
-        rope = rope.unsqueeze(0)
-    cos, sin = rope[..., 0].unsqueeze(2), rope[..., 1].unsqueeze(2)
-    x0, x1 = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
-    return rotated.flatten(-2).type_as(x)
 
 
 def num_splits(

@@ -62,7 +62,8 @@ class ModelArgs:
             ),
             (
                 self.head_dim % 2 == 0,
-                f"head dim {self.head_dim} (dim / n_heads) must be even for rotary embeddings",
+                f"head dim {self.head_dim} (model.dim / model.n_heads) must be even for rotary embeddings: "
+                "change model.dim or model.n_heads",
             ),
             (
                 self.n_heads % self.n_kv_heads == 0,

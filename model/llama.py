@@ -15,8 +15,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.decode_attention import apply_rope, decode_attention, fused_decode_supported
-from kernels.fp8 import quantize_per_token
 from model.args import ModelArgs, RopeScaling
 
 
@@ -30,6 +28,17 @@ class RMSNorm(nn.Module):
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of x [B, S, H, D] by rope [S, D / 2, 2] (or [B, S, D / 2, 2])."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    if rope.dim() == 3:
+        rope = rope.unsqueeze(0)
+    cos, sin = rope[..., 0].unsqueeze(2), rope[..., 1].unsqueeze(2)
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return rotated.flatten(-2).type_as(x)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -129,6 +138,8 @@ class Attention(nn.Module):
         kv head [B, n_kv_heads] (kernels.decode_attention)."""
         bsz, seqlen = q.shape[:2]
         if self._fused_decode(q, seqlen):
+            from kernels.decode_attention import decode_attention
+
             # One new token over the cache: rotary, cache write, attention (and quantize) in one op.
             return decode_attention(q, k, v, rope, input_pos, self.kv_cache.k, self.kv_cache.v, fp8_output)
         rope = rope[:seqlen] if input_pos is None else rope[input_pos]
@@ -145,18 +156,21 @@ class Attention(nn.Module):
         out = self.attention_fn(q, k, v, mask).transpose(1, 2).reshape(bsz, seqlen, -1)
         if not fp8_output:
             return out
+        from kernels.fp8 import quantize_per_token
+
         values, scales = quantize_per_token(out.view(bsz * seqlen, -1))
         return values.view(out.shape), scales
 
     def _fused_decode(self, q: torch.Tensor, seqlen: int) -> bool:
         """Whether this call takes kernels.decode_attention: one token per sequence over a KV cache, the
-        stock attention function (parallel/ may have replaced it), a device and shapes the kernel runs."""
-        return (
-            self.fused_decode
-            and self.kv_cache is not None
-            and seqlen == 1
-            and self.attention_fn is sdpa_attention
-            and fused_decode_supported(q.device, self.kv_cache.k.dtype, self.head_dim)
+        stock attention function (parallel/ may have replaced it), a device and shapes the kernel runs.
+        Only decode imports the kernels (and Triton): training runs where Triton is not installed."""
+        if not (self.fused_decode and self.kv_cache is not None and seqlen == 1):
+            return False
+        from kernels.decode_attention import fused_decode_supported
+
+        return self.attention_fn is sdpa_attention and fused_decode_supported(
+            q.device, self.kv_cache.k.dtype, self.head_dim
         )
 
 

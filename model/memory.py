@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from configs.schema import TrainingConfig
 from model.args import ModelArgs
-from model.fp8 import QUANTIZE_BYTES_PER_ELEMENT, QUANTIZE_SLICE_ELEMENTS
 from parallel.mesh import ParallelDims
 
 GIB = 2**30
@@ -94,6 +93,8 @@ def serving_memory(
     prefill = batch * prompt_len * (args.vocab_size * element + 3 * args.ffn_hidden // tp * element)
     if not args.fp8:
         return MemoryEstimate({"weights": element * params, "KV cache": kv_cache, "prefill": prefill})
+    from model.fp8 import QUANTIZE_BYTES_PER_ELEMENT, QUANTIZE_SLICE_ELEMENTS  # loads Triton: FP8 only
+
     table = args.vocab_size * args.dim
     embedding = table / tp
     norms = (2 * args.n_layers + 1) * args.dim

@@ -304,6 +304,11 @@ def test_generate_inputs_are_checked_before_the_model_is_built(tmp_path: Path) -
     messages.write_text(json.dumps({"role": "user"}))
     with pytest.raises(ValueError, match=r"must hold a non-empty JSON list"):
         prepare_completion(serve_config(str(hf), messages=str(messages)), hf, args)
+    messages.write_text(json.dumps(MESSAGES))
+    with pytest.raises(
+        ValueError, match=r"messages= is set but .* has no chat template: .*\(without messages=\)"
+    ):
+        prepare_completion(serve_config(str(hf), messages=str(messages)), hf, args)
     with pytest.raises(ValueError, match=r"exceeds model.max_seq_len=256"):
         prepare_completion(serve_config(str(hf), max_new_tokens=250), hf, args)
 
@@ -456,6 +461,28 @@ def test_init_from_and_export_keep_tokenizer_template_and_generation_config(tmp_
         assert default_sampling(directory) == Sampling(temperature=0.6, top_k=50, top_p=0.9)
     exported = transformers.GenerationConfig.from_pretrained(run / "hf")
     assert (exported.eos_token_id, exported.do_sample, exported.top_p) == ([1, 2], True, 0.9)
+
+
+def test_init_from_checks_seq_len_against_the_checkpoint(tmp_path: Path) -> None:
+    """A checkpoint's own max_seq_len (256 here) bounds training.seq_len, not the preset's; the message
+    asks for what can change (model.max_seq_len comes from the checkpoint)."""
+    source = tmp_path / "source"
+    tiny_reference("llama3").save_pretrained(source)
+    write_tokenizer_dir(source, "llama3")
+    run = tmp_path / "run"
+    done = run_script(
+        "train.py",
+        f"checkpoint.init_from={source}",
+        "model.max_seq_len=4096",
+        "training.seq_len=512",
+        "device=cpu",
+        f"hydra.run.dir={run}",
+    )
+    assert done.returncode != 0
+    assert "training.seq_len=512 exceeds the model's max_seq_len=256: lower training.seq_len\n" in (
+        done.stdout + done.stderr
+    )
+    assert not run.exists()
 
 
 def test_entry_points_share_helpers_from_below() -> None:

@@ -161,3 +161,23 @@ def test_gpu_train_then_graphed_decode(tmp_path: Path) -> None:
     ]
     assert all(out.returncode == 0 for out in outputs), [out.stderr[-2000:] for out in outputs]
     assert outputs[0].stdout == outputs[1].stdout == outputs[2].stdout
+
+
+def test_training_runs_where_triton_is_not_installed(tmp_path: Path) -> None:
+    """Triton installs on Linux only: train.py (a CPU run on a laptop, say) never imports it."""
+    blocked = (
+        "import runpy, sys; sys.modules['triton'] = None; "
+        "sys.argv = ['train.py', *sys.argv[1:]]; runpy.run_path('train.py', run_name='__main__')"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    overrides = [*TINY, CPU, "training.steps=2", f"hydra.run.dir={tmp_path}"]
+    done = subprocess.run(
+        [sys.executable, "-c", blocked, *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert max(losses(tmp_path)) == 2
