@@ -84,7 +84,7 @@ def main() -> None:
         if world > 1:
             dims = ParallelDims(dp=1, cp=1, tp=world, comm=comm)
             validate_comm_ops(dims, training=False)
-            validate_model(dims, preset_args(opts.model), training=False)
+            validate_model(dims, preset_args(opts.model))
             mesh = build_mesh(dims, "cuda")
         # (model.fp8, model.decode_kernels): bf16 on weft's kernels, on the stock modules, FP8.
         variants = [] if opts.fp8_only else [(False, True)] + [(False, False)] * opts.stock

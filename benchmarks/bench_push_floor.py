@@ -89,7 +89,7 @@ def main() -> None:
     rows = (args.mib_per_peer << 20) // (COLS * DTYPE.itemsize)
     peers = [(rank + i) % world for i in range(1, world)]
     # Each rank's buffer holds a block per source rank, so that no two sources write the same rows.
-    buf = get_symm_buffer(group, world * rows * COLS * DTYPE.itemsize, torch.uint8, tag="push_floor")
+    buf = get_symm_buffer(group, world * rows * COLS * DTYPE.itemsize, tag="push_floor")
     offset = buf.base_offset // DTYPE.itemsize
     peer_views = [buf.handle.get_buffer(p, [world * rows, COLS], DTYPE, offset) for p in peers]
     peer_addrs = torch.tensor([v.data_ptr() for v in peer_views], dtype=torch.int64, device="cuda")

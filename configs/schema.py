@@ -60,7 +60,8 @@ class TrainingConfig:
 
 @dataclass
 class DataConfig:
-    # None: Python's own documentation topics (shipped with Python). Else a .txt/.jsonl file or a directory.
+    # None: Python's own documentation topics (shipped with Python). Else a .jsonl file (a document per
+    # line), any other file (one text document) or a directory (its .jsonl, .txt, .md, .rst, .py, .text).
     path: str | None = None
     # Field holding the text in each line of a .jsonl file.
     jsonl_field: str = "text"

@@ -93,7 +93,9 @@ from kernels.symm_mem import (
     get_symm_buffer,
     load_epoch,
     op_id,
+    resolve_group,
     size_class,
+    sm_count,
     wait_flag,
     wait_flag_unbranched,
     warn_fallback,
@@ -457,10 +459,6 @@ def _resolved_config(layout: GatherLayout, n_total: int, config: GemmConfig | No
     return dataclasses.replace(cfg, splits=max(1, splits))
 
 
-def sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def gemm_programs(device: torch.device) -> int:
     """Programs of the persistent GEMM: one per SM but one. The entry barrier runs on the side stream
     while the GEMM works through this rank's rows, and the GEMM's later tiles wait for copies that
@@ -678,7 +676,7 @@ def prepare(group: dist.ProcessGroup, shard_bytes: int) -> SymmBuffer:
     size class (collective over `group`). Before capturing a CUDA graph, make one eager call with the
     shapes the graph will use: it allocates the buffer and also compiles and loads the kernels, which
     cannot happen during a capture."""
-    buf = get_symm_buffer(group, buffer_bytes(shard_bytes), torch.uint8, tag=BUFFER_TAG)
+    buf = get_symm_buffer(group, buffer_bytes(shard_bytes), tag=BUFFER_TAG)
     _PREPARED.setdefault(group.group_name, set()).add(buf.nbytes)
     return buf
 
@@ -688,7 +686,7 @@ def check(group: dist.ProcessGroup | None = None) -> None:
     `group` gave up; synchronizes the device. Call after a CUDA graph replay or in tests."""
     group = group if group is not None else dist.group.WORLD
     for nbytes in sorted(_PREPARED.get(group.group_name, ())):
-        check_status(get_symm_buffer(group, nbytes, torch.uint8, tag=BUFFER_TAG), "all_gather_matmul")
+        check_status(get_symm_buffer(group, nbytes, tag=BUFFER_TAG), "all_gather_matmul")
 
 
 def all_gather_matmul_kernel(
@@ -754,10 +752,6 @@ def all_gather_matmul_kernel(
     return a, outs
 
 
-def _resolve_group(group_name: str) -> dist.ProcessGroup:
-    return dist.distributed_c10d._resolve_process_group(group_name)
-
-
 def _all_gather_matmul(
     a_shard: torch.Tensor, bs: list[torch.Tensor], dim: int, group_name: str
 ) -> list[torch.Tensor]:
@@ -769,7 +763,7 @@ def _all_gather_matmul(
             f"all_gather_matmul (parallel.comm=triton) needs CUDA tensors, got a_shard on {a_shard.device}: "
             "use parallel.comm=torch (or all_gather_matmul_reference) on CPU"
         )
-    group = _resolve_group(group_name)
+    group = resolve_group(group_name)
     world = dist.get_world_size(group)
     if world == 1:
         a = a_shard.clone()
@@ -789,7 +783,7 @@ all_gather_matmul_op = torch.library.custom_op("weft::all_gather_matmul", _all_g
 @all_gather_matmul_op.register_fake
 def _(a_shard: torch.Tensor, bs: list[torch.Tensor], dim: int, group_name: str) -> list[torch.Tensor]:
     shape = list(a_shard.shape)
-    shape[dim % a_shard.dim()] *= _resolve_group(group_name).size()
+    shape[dim % a_shard.dim()] *= resolve_group(group_name).size()
     return [a_shard.new_empty(shape), *(a_shard.new_empty((*shape[:-1], b.shape[1])) for b in bs)]
 
 

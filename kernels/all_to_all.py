@@ -71,7 +71,9 @@ from kernels.symm_mem import (
     get_symm_buffer,
     load_epoch,
     op_id,
+    resolve_group,
     size_class,
+    sm_count,
     wait_flag,
     warn_fallback,
 )
@@ -395,7 +397,6 @@ def schedule(n_rows: int, row_bytes: int, max_programs: int, chunks: int = TARGE
 # (group name, tag, id) -> the buffers whose flags this module has zeroed (weak: kernels/symm_mem.py's
 # cache owns them, and a buffer freed with its group leaves this table too).
 _READY: weakref.WeakValueDictionary[tuple[str, str, int], SymmBuffer] = weakref.WeakValueDictionary()
-_NUM_SMS: dict[int, int] = {}
 
 
 def prepare(group: dist.ProcessGroup, image_bytes: int, tag: str = BUFFER_TAG) -> SymmBuffer:
@@ -410,7 +411,7 @@ def prepare(group: dist.ProcessGroup, image_bytes: int, tag: str = BUFFER_TAG) -
             f"all_to_all: no symmetric buffer for {nbytes} bytes yet, and allocating one is collective: "
             "make one eager call of this shape before capturing the CUDA graph"
         )
-    buf = get_symm_buffer(group, nbytes, torch.uint8, tag=tag)
+    buf = get_symm_buffer(group, nbytes, tag=tag)
     if key not in _READY:
         buf.tensor[: FLAG_BYTES.value].zero_()
         torch.cuda.synchronize()
@@ -477,10 +478,7 @@ def launch_all_to_all(
         return
     row_bytes = world * dim * x0.element_size() * sum(heads)
     if max_programs is None:
-        device = x0.device.index if x0.device.index is not None else torch.cuda.current_device()
-        if device not in _NUM_SMS:
-            _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-        max_programs = _NUM_SMS[device]
+        max_programs = sm_count(x0.device)
     block_rows, programs = schedule(n_rows, row_bytes, max_programs, chunks)
     _all_to_all_kernel[(programs,)](
         tuple(xs), tuple(vector_strides(x) for x in xs), tuple(outs), tuple(offsets),
@@ -561,12 +559,8 @@ def heads_to_seq_reference(
 # ------------------------------------------------------------------------------ registered op, entry
 
 
-def _resolve_group(group_name: str) -> dist.ProcessGroup:
-    return dist.distributed_c10d._resolve_process_group(group_name)
-
-
 def _exchange(xs: list[torch.Tensor], group_name: str, seq_to_heads: bool) -> list[torch.Tensor]:
-    group = _resolve_group(group_name)
+    group = resolve_group(group_name)
     world = dist.get_world_size(group)
     check_inputs(xs, world, seq_to_heads)
     if not xs[0].is_cuda:
@@ -589,7 +583,7 @@ def _exchange(xs: list[torch.Tensor], group_name: str, seq_to_heads: bool) -> li
 
 
 def _fake(xs: list[torch.Tensor], group_name: str, seq_to_heads: bool) -> list[torch.Tensor]:
-    world = _resolve_group(group_name).size()
+    world = resolve_group(group_name).size()
     return [new_output(output_shape(x.shape, world, seq_to_heads), seq_to_heads, x) for x in xs]
 
 

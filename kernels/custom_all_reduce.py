@@ -217,7 +217,7 @@ class CustomAllReduce:
         self.push_buf: SymmBuffer | None = None
         self.push_layout: PushLayout | None = None
         if self.world_size in SUPPORTED_WORLD_SIZES and torch.cuda.is_available():
-            self.buf = get_symm_buffer(self.group, 3 * self.slot_bytes, torch.uint8, tag=tag)
+            self.buf = get_symm_buffer(self.group, 3 * self.slot_bytes, tag=tag)
             if self.push_max_size > 0:
                 self._make_push_buffer(tag + "-push")
         _REGISTRY[self.group_name] = self
@@ -227,7 +227,7 @@ class CustomAllReduce:
         (collective: the fill is done on every rank before the barrier returns anywhere)."""
         self.push_layout = PushLayout(self.world_size, slot_bytes_for(self.push_max_size))
         total = self.push_layout.total_bytes
-        self.push_buf = get_symm_buffer(self.group, total, torch.uint8, tag=tag)
+        self.push_buf = get_symm_buffer(self.group, total, tag=tag)
         self.push_buf.tensor[:total].view(torch.int32).fill_(SENTINEL.value)
         torch.cuda.synchronize()
         dist.barrier(group=self.group)

@@ -98,6 +98,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import stream_ops
+from kernels.ag_matmul import is_kn_layout
 from kernels.symm_mem import (
     DEFAULT_TIMEOUT_S,
     INTERPRETED,
@@ -107,7 +108,9 @@ from kernels.symm_mem import (
     eager_or_op,
     get_symm_buffer,
     op_id,
+    resolve_group,
     size_class,
+    sm_count,
     wait_flag,
     wait_flag_unbranched,
     warn_fallback,
@@ -468,18 +471,6 @@ class CallBuffers:
     credited: torch.Tensor | None = None
 
 
-def is_kn_layout(b: torch.Tensor) -> bool:
-    """True for a contiguous [K, N] matrix, False for `weight.t()` of a contiguous [N, K] weight."""
-    if b.is_contiguous():
-        return True
-    if b.t().is_contiguous():
-        return False
-    raise ValueError(
-        f"b of shape {tuple(b.shape)} and strides {b.stride()} is neither a contiguous [K, N] matrix "
-        "nor the transpose of a contiguous [N, K] weight: pass weight.t() or a contiguous tensor"
-    )
-
-
 def launch(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -606,9 +597,7 @@ class GemmAlone:
             flags=torch.ones(flags, dtype=torch.int32, device=dev),
             status=torch.zeros(4, dtype=torch.int32, device=dev),
         )
-        num_sms = (
-            num_sms if num_sms is not None else torch.cuda.get_device_properties(dev).multi_processor_count
-        )
+        num_sms = num_sms if num_sms is not None else sm_count(dev)
         self.num_programs = grid_size(layout, self.config, num_sms)
         self.kernels: tuple[triton.compiler.CompiledKernel, ...] = ()  # the last run's launches
         self.runs = 0
@@ -766,7 +755,7 @@ class _GroupState:
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.flags = get_symm_buffer(group, FLAG_BUFFER_BYTES, torch.uint8, tag=FLAG_TAG)
+        self.flags = get_symm_buffer(group, FLAG_BUFFER_BYTES, tag=FLAG_TAG)
         self.shares_gpu = check_group(group)  # cached by get_symm_buffer: not collective here
         words = self.flags.view(0, FLAG_BUFFER_BYTES // 4, torch.int32)
         words.zero_()
@@ -851,7 +840,7 @@ _PREPARED: dict[str, set[int]] = {}
 
 def _group_state(group: dist.ProcessGroup) -> _GroupState:
     """The group's state, created (collective) on its first call."""
-    flags = get_symm_buffer(group, FLAG_BUFFER_BYTES, torch.uint8, tag=FLAG_TAG)
+    flags = get_symm_buffer(group, FLAG_BUFFER_BYTES, tag=FLAG_TAG)
     entry = _STATES.get(group.group_name)
     if entry is None or entry[0]() is not flags:
         entry = (weakref.ref(flags), _GroupState(group))
@@ -869,7 +858,7 @@ def prepare(
     group = group if group is not None else dist.group.WORLD
     layout = scatter_layout(a.shape, dim, b.shape[1], dist.get_world_size(group))
     state = _group_state(group)
-    data = get_symm_buffer(group, layout.slots_bytes(), torch.uint8, tag=DATA_TAG)
+    data = get_symm_buffer(group, layout.slots_bytes(), tag=DATA_TAG)
     if data.nbytes not in state.staging:
         state.staging[data.nbytes] = torch.empty(data.nbytes // 2, dtype=torch.bfloat16, device=a.device)
     _PREPARED.setdefault(group.group_name, set()).add(data.nbytes)
@@ -915,7 +904,7 @@ def matmul_reduce_scatter_kernel(
         b = b.clone() if is_kn_layout(b) else b.t().clone().t()
     a4 = a.view(layout.pieces, world, layout.rows, layout.k)
     out = torch.empty(output_shape(a.shape, dim, layout.n, world), dtype=a.dtype, device=a.device)
-    num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    num_sms = sm_count(a.device)
     plan = state.plan(layout, cfg, data)
     stream = torch.cuda.current_stream()
     args = (a4, b, out.view(layout.pieces, layout.rows, layout.n), layout, plan.buffers, dist.get_rank(group),
@@ -929,14 +918,10 @@ def matmul_reduce_scatter_kernel(
     return out
 
 
-def _resolve_group(group_name: str) -> dist.ProcessGroup:
-    return dist.distributed_c10d._resolve_process_group(group_name)
-
-
 def _matmul_reduce_scatter(a: torch.Tensor, b: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
     """reduce_scatter(a @ b, dim) (sum) over the group `group_name`: the kernel where `fallback_reason`
     allows, the reference otherwise (the registered op's body)."""
-    group = _resolve_group(group_name)
+    group = resolve_group(group_name)
     world = dist.get_world_size(group)
     check_inputs(a, b, dim, world)
     if not a.is_cuda:
@@ -960,7 +945,7 @@ matmul_reduce_scatter_op = torch.library.custom_op(
 
 @matmul_reduce_scatter_op.register_fake
 def _(a: torch.Tensor, b: torch.Tensor, dim: int, group_name: str) -> torch.Tensor:
-    world = _resolve_group(group_name).size()
+    world = resolve_group(group_name).size()
     return a.new_empty(output_shape(a.shape, dim, b.shape[1], world))
 
 

@@ -1,9 +1,9 @@
-"""Shared symmetric-memory plumbing for weft's communication kernels (all-reduce, and later
-all-gather-matmul, matmul-reduce-scatter, Ulysses all-to-all).
+"""Shared symmetric-memory plumbing for weft's communication kernels (all-gather-matmul,
+matmul-reduce-scatter, the Ulysses all-to-all and the decode all-reduce).
 
 Host side
 ---------
-* `get_symm_buffer(group, nbytes, dtype)`: a symmetric buffer per (group name, size class, dtype, tag),
+* `get_symm_buffer(group, nbytes, tag)`: a symmetric byte buffer per (group name, size class, tag),
   allocated once with `torch.distributed._symmetric_memory.empty` and rendezvoused, with its device
   pointer tables (`buffer_ptrs_dev`, `signal_pad_ptrs_dev`), every rank's buffer address as this
   process maps it (`addresses`: for copy engines and stream memory operations, kernels/stream_ops.py),
@@ -42,6 +42,7 @@ status set and do not spin, so a lost peer costs one timeout, not one per call.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import socket
@@ -126,15 +127,15 @@ def _boot_id() -> str:
         return ""
 
 
-def check_single_node(infos: list[dict[str, object]], rank: int, what: str = "symmetric memory") -> None:
+def check_single_node(infos: list[dict[str, object]], rank: int) -> None:
     """Raise `SymmMemError` unless every rank's (host, boot id) equals this rank's. Pure: CPU-testable."""
     mine = (infos[rank]["host"], infos[rank]["boot"])
     others = [r for r, i in enumerate(infos) if (i["host"], i["boot"]) != mine]
     if others:
         hosts = sorted({str(i["host"]) for i in infos})
         raise SymmMemError(
-            f"rank {rank}: {what} needs every rank of the group on one node (NVLink peers), but the "
-            f"group spans hosts {hosts} (ranks {others} are not on {mine[0]}). Use a group inside one "
+            f"rank {rank}: symmetric memory needs every rank of the group on one node (NVLink peers), but "
+            f"the group spans hosts {hosts} (ranks {others} are not on {mine[0]}). Use a group inside one "
             f"node (tensor parallel within a node), or the torch/NCCL path."
         )
 
@@ -164,6 +165,21 @@ def check_peer_access(infos: list[dict[str, object]], rank: int, can_access=None
 
 # Group name -> whether its ranks share a GPU (set once the group passed its checks).
 _CHECKED: dict[str, bool] = {}
+
+
+def resolve_group(group_name: str) -> dist.ProcessGroup:
+    """The process group a registered op names (custom ops take strings, not groups)."""
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device: the persistent kernels' grid."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def check_group(group: dist.ProcessGroup) -> bool:
@@ -202,7 +218,6 @@ class SymmBuffer:
     rank: int
     world_size: int
     nbytes: int  # usable bytes starting at `tensor`
-    dtype: torch.dtype
     tensor: torch.Tensor  # uint8 [nbytes], this rank's view
     handle: object  # torch's _SymmetricMemory, or an IpcHandle when ranks share a GPU
     buffer_ptrs_dev: int  # device address of world_size uint64 buffer base addresses
@@ -223,7 +238,7 @@ class SymmBuffer:
 class IpcHandle:
     """The shared-GPU stand-in for torch's symmetric-memory handle: this rank's buffer and signal pad
     (one caching-allocator block) and every peer's, mapped with CUDA IPC, with device tables of their
-    addresses. It offers what weft's kernels use of the torch handle."""
+    addresses. It offers what weft's kernels and benchmarks use of the torch handle."""
 
     def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device) -> None:
         from torch.multiprocessing.reductions import reduce_tensor
@@ -259,15 +274,13 @@ class IpcHandle:
         return self.pads[rank].view(dtype)[: math.prod(sizes)].view(sizes)
 
 
-_CACHE: dict[tuple[str, int, torch.dtype, str], SymmBuffer] = {}
+_CACHE: dict[tuple[str, int, str], SymmBuffer] = {}
 
 
-def get_symm_buffer(
-    group: dist.ProcessGroup, nbytes: int, dtype: torch.dtype = torch.uint8, tag: str = ""
-) -> SymmBuffer:
-    """The cached symmetric buffer of at least `nbytes` for (group, size class, dtype, tag); the first
-    call for a key allocates and rendezvouses (collective: every rank of the group must call it)."""
-    key = (group.group_name, size_class(nbytes), dtype, tag)
+def get_symm_buffer(group: dist.ProcessGroup, nbytes: int, tag: str = "") -> SymmBuffer:
+    """The cached symmetric buffer of at least `nbytes` for (group, size class, tag); the first call for
+    a key allocates and rendezvouses (collective: every rank of the group must call it)."""
+    key = (group.group_name, size_class(nbytes), tag)
     buf = _CACHE.get(key)
     if buf is not None:
         return buf
@@ -300,7 +313,6 @@ def get_symm_buffer(
         rank=rank,
         world_size=world,
         nbytes=key[1],
-        dtype=dtype,
         tensor=tensor,
         handle=handle,
         buffer_ptrs_dev=int(handle.buffer_ptrs_dev),

@@ -47,24 +47,17 @@ def load_documents(path: str | None, jsonl_field: str = "text") -> list[str]:
     if root.is_dir():
         files = sorted(p for p in root.rglob("*") if p.is_file() and (p.suffix in TEXT_SUFFIXES | {".jsonl"}))
         if not files:
-            raise FileNotFoundError(f"data.path={path} holds no .txt/.md/.jsonl files")
+            suffixes = "/".join(sorted(TEXT_SUFFIXES | {".jsonl"}))
+            raise FileNotFoundError(f"data.path={path} holds no {suffixes} files")
         return [doc for file in files for doc in read_documents(file, jsonl_field)]
     if not root.is_file():
         raise FileNotFoundError(f"data.path={path} does not exist: give a text/.jsonl file or a directory")
     return read_documents(root, jsonl_field)
 
 
-def load_text(path: str | None, jsonl_field: str = "text") -> str:
-    """The corpus as one text: its documents (see `load_documents`) joined by blank lines. For the
-    default corpus that is `"\\n\\n".join` of Python's documentation topics in sorted key order."""
-    return "\n\n".join(load_documents(path, jsonl_field))
-
-
-def tokenize_corpus(documents: str | Sequence[str], tokenizer: Tokenizer, chunk: int = 1024) -> torch.Tensor:
-    """One stream of token ids, each document starting with BOS and ending with EOS (a plain string
-    is one document). Nothing is cached on disk."""
-    if isinstance(documents, str):
-        documents = [documents]
+def tokenize_corpus(documents: Sequence[str], tokenizer: Tokenizer, chunk: int = 1024) -> torch.Tensor:
+    """One stream of token ids, each document starting with BOS and ending with EOS. Nothing is cached
+    on disk."""
     parts = [torch.zeros(0, dtype=torch.int64)]
     for first in range(0, len(documents), chunk):
         encoded = tokenizer.encode_batch(documents[first : first + chunk], bos=True, eos=True)
@@ -124,7 +117,7 @@ class PackedDataset:
         return {"epoch": self.epoch, "step": self.step}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        step = int(state["step"] if "step" in state else state["position"])
+        step = int(state["step"])
         if not 0 <= step <= self.steps_per_epoch:
             raise ValueError(
                 f"saved data position {step} is past this corpus' {self.steps_per_epoch} steps per epoch: "
@@ -135,7 +128,7 @@ class PackedDataset:
 
 
 def build_dataset(
-    text: str | Sequence[str],
+    documents: Sequence[str],
     tokenizer: Tokenizer,
     seq_len: int,
     batch_size: int,
@@ -143,5 +136,5 @@ def build_dataset(
     world_size: int,
     seed: int,
 ) -> PackedDataset:
-    """Tokenize `text` (one string, or a list of documents as `load_documents` gives) and pack it."""
-    return PackedDataset(tokenize_corpus(text, tokenizer), seq_len, batch_size, rank, world_size, seed)
+    """Tokenize the documents (as `load_documents` gives them) and pack them."""
+    return PackedDataset(tokenize_corpus(documents, tokenizer), seq_len, batch_size, rank, world_size, seed)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,11 @@ from torch import nn
 from model.checkpoint import state_mismatch
 from parallel.comm import all_gather
 
+if TYPE_CHECKING:  # parallel/parallelize.py imports this module
+    from parallel.parallelize import ParallelState
 
-def _state(model: nn.Module):
+
+def _state(model: nn.Module) -> ParallelState | None:
     return getattr(model, "parallel", None)
 
 
@@ -47,7 +50,7 @@ def _unshard(t: torch.Tensor) -> torch.Tensor:
     return all_gather(padded, 0, group)[: t.shape[0]]
 
 
-def _full(t: torch.Tensor, name: str, state) -> torch.Tensor:
+def _full(t: torch.Tensor, name: str, state: ParallelState | None) -> torch.Tensor:
     if hasattr(t, "full_tensor"):
         t = _unshard(t)
     if state is not None and name in state.tp_shard_dims and state.tp_group is not None:
@@ -55,7 +58,7 @@ def _full(t: torch.Tensor, name: str, state) -> torch.Tensor:
     return t.detach()
 
 
-def _slice(full: torch.Tensor, name: str, state) -> torch.Tensor:
+def _slice(full: torch.Tensor, name: str, state: ParallelState | None) -> torch.Tensor:
     if state is not None and name in state.tp_shard_dims and state.tp_size > 1:
         dim = state.tp_shard_dims[name]
         size = full.shape[dim] // state.tp_size
@@ -63,7 +66,7 @@ def _slice(full: torch.Tensor, name: str, state) -> torch.Tensor:
     return full
 
 
-def _full_shape(t: torch.Tensor, name: str, state) -> tuple[int, ...]:
+def _full_shape(t: torch.Tensor, name: str, state: ParallelState | None) -> tuple[int, ...]:
     """The unsharded shape of a model tensor: FSDP's global shape, times tp on the tp-sharded dim."""
     shape = list(t.shape)
     if state is not None and name in state.tp_shard_dims:
@@ -119,7 +122,9 @@ def load_full_model_state(
         _copy_into(target, _slice(full[name], name, state))
 
 
-def _draw(target: torch.Tensor, name: str, state, init: Callable[[torch.Tensor], object]) -> None:
+def _draw(
+    target: torch.Tensor, name: str, state: ParallelState | None, init: Callable[[torch.Tensor], object]
+) -> None:
     """Draw a weight by its initialiser: at its full (unsharded) shape on its device, this rank keeping
     its slice, so that every layout gets the unsharded model's weights; a plain model draws in place."""
     if state is None:
@@ -287,8 +292,15 @@ class _FullOptimizerView:
 
 
 def save_parallel_checkpoint(
-    run_dir, step: int, model: nn.Module, optimizer, scheduler, data_state, keep: int, config=None
-):
+    run_dir: str | Path,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any,
+    data_state: dict[str, Any] | None,
+    keep: int,
+    config: dict[str, Any] | None = None,
+) -> Path | None:
     """model/checkpoint.save_checkpoint for a parallelized model: every rank gathers (collective), rank
     0 writes the usual layout-free checkpoint. Returns the directory on rank 0, None elsewhere."""
     from model.checkpoint import save_checkpoint
@@ -302,7 +314,12 @@ def save_parallel_checkpoint(
     )
 
 
-def load_parallel_checkpoint(path, model: nn.Module, optimizer=None, scheduler=None) -> dict[str, Any]:
+def load_parallel_checkpoint(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+) -> dict[str, Any]:
     """model/checkpoint.load_checkpoint for a parallelized model: the checkpoint is loaded (with all its
     checks, and the RNG / scheduler restored) into a full-size stand-in on the CPU with the same
     parameter order and optimizer groups, whose tensors are then sliced into this rank's shards."""

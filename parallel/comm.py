@@ -24,7 +24,8 @@ use them where no matmul is attached (the embedding and the gradient of the sequ
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -211,7 +212,8 @@ class SymmMemComm(Comm):
 
     name = "symm_mem"
     # Up to this many bytes the one-shot all-reduce (every rank reads all peers) is faster than the
-    # two-shot (reduce-scatter + all-gather in symmetric memory): DESIGN.md's table, 4x H200.
+    # two-shot (reduce-scatter + all-gather in symmetric memory): the torch columns of
+    # benchmarks/results/all_reduce-h200-x4.md (4x H200).
     ONE_SHOT_MAX_BYTES = 128 * 1024
 
     def __init__(self, group: dist.ProcessGroup) -> None:
@@ -285,7 +287,7 @@ def _no_kernel(op: str) -> str:
     )
 
 
-def _find_kernel(op: str):
+def _find_kernel(op: str) -> Callable[..., Any] | None:
     module_name, attr = TRITON_KERNELS[op]
     try:
         module = importlib.import_module(module_name)
@@ -319,17 +321,19 @@ class TritonComm(Comm):
         for module in sorted({module for module, _ in TRITON_KERNELS.values()}):
             importlib.import_module(module).check(self.group)
 
-    def _kernel(self, op: str):
+    def _kernel(self, op: str) -> Callable[..., Any]:
         self.require([op])
         return self._kernels[op]
 
-    def all_gather_matmul(self, a_shard, bs, dim):
+    def all_gather_matmul(
+        self, a_shard: torch.Tensor, bs: Sequence[torch.Tensor], dim: int
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         return self._kernel("all_gather_matmul")(a_shard, list(bs), dim, group=self.group)
 
-    def matmul_reduce_scatter(self, a, b, dim):
+    def matmul_reduce_scatter(self, a: torch.Tensor, b: torch.Tensor, dim: int) -> torch.Tensor:
         return self._kernel("matmul_reduce_scatter")(a, b, dim, group=self.group)
 
-    def all_reduce(self, x):
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self._kernel("all_reduce")(x, group=self.group)
 
     def decode_all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -10,9 +10,14 @@ import datetime as dt
 import gc
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from configs.schema import ParallelConfig
+    from parallel.mesh import ParallelDims
 
 
 def world_size() -> int:
@@ -144,7 +149,7 @@ def print_error_once(message: str, wait_s: float = 10.0) -> None:
         print(f"[rank {rank()}] {message}", file=sys.stderr, flush=True)
 
 
-def validate_parallel(parallel, world: int, device: torch.device):
+def validate_parallel(parallel: ParallelConfig, world: int, device: torch.device) -> ParallelDims:
     """Fail before any work when the parallel layout cannot run on this world and device; returns
     the layout (parallel/mesh.py's ParallelDims: dp inferred). The model's shape is checked by
     parallel.mesh.validate_model once it is known."""

@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from model.args import ModelArgs
+
+if TYPE_CHECKING:
+    from configs.schema import ParallelConfig
 from parallel.comm import COMM_PATHS, SYMM_MEM_SHARED_GPU
 from parallel.distributed import shared_gpu
 
@@ -35,7 +40,7 @@ class ParallelDims:
         return self.tp * self.cp > 1
 
 
-def parallel_dims(parallel, world: int) -> ParallelDims:
+def parallel_dims(parallel: ParallelConfig, world: int) -> ParallelDims:
     """dp, cp, tp from the `parallel` config (tp, cp, comm) and the world size; one-line errors."""
     tp, cp, comm = int(parallel.tp), int(parallel.cp), str(parallel.comm)
     if tp < 1 or cp < 1:
@@ -50,12 +55,13 @@ def parallel_dims(parallel, world: int) -> ParallelDims:
     return ParallelDims(dp=world // (tp * cp), cp=cp, tp=tp, comm=comm)
 
 
-def validate_model(dims: ParallelDims, args, seq_len: int | None = None, training: bool = True) -> None:
+def validate_model(dims: ParallelDims, args: ModelArgs, seq_len: int | None = None) -> None:
     """Raise a one-line ValueError when the model's shape is inconsistent or cannot be split this way.
 
     tp splits query heads, key/value heads, the MLP hidden size and the vocabulary; sequence
-    parallelism (training) splits the sequence over tp * cp. Ulysses (cp) then splits each tp rank's
-    heads again (key/value heads may instead be replicated when there are fewer than cp of them)."""
+    parallelism (training, `seq_len` given) splits the sequence over tp * cp. Ulysses (cp) then splits
+    each tp rank's heads again (key/value heads may instead be replicated when there are fewer than cp
+    of them)."""
     args.validate()
     tp, cp = dims.tp, dims.cp
     checks = [
@@ -74,7 +80,7 @@ def validate_model(dims: ParallelDims, args, seq_len: int | None = None, trainin
         ),
     ]
     if cp > 1:
-        heads, kv = args.n_heads // max(tp, 1), args.n_kv_heads // max(tp, 1)
+        kv = args.n_kv_heads // tp
         checks += [
             (
                 args.n_heads % (tp * cp) == 0,
@@ -84,9 +90,8 @@ def validate_model(dims: ParallelDims, args, seq_len: int | None = None, trainin
                 kv % cp == 0 or cp % max(kv, 1) == 0,
                 f"{kv} key/value heads per tp rank neither divide nor are divisible by parallel.cp={cp}",
             ),
-            (heads > 0, "no query heads left per rank"),
         ]
-    if training and seq_len is not None:
+    if seq_len is not None:
         checks.append(
             (
                 seq_len % (tp * cp) == 0,

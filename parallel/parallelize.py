@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
-from model.llama import Llama, TransformerBlock, sdpa_attention
+from model.llama import Llama, TransformerBlock
 from parallel.comm import Comm, make_comm
 from parallel.layers import (
     ColumnParallelLinear,
@@ -55,11 +55,6 @@ class ParallelizeConfig:
     # FSDP2 (fully_shard) over the data-parallel ranks (dp, and cp folded in) when there are several.
     # False leaves gradients unsynchronised over dp / cp: for decode, or a caller that syncs them.
     fsdp: bool = True
-    # FSDP2 mixed precision: parameters cast to this dtype for compute (None: keep fp32).
-    fsdp_param_dtype: torch.dtype | None = None
-    # Without sequence parallelism the logits are all-gathered to the full vocabulary (decode);
-    # None picks: gathered iff not sequence_parallel.
-    gather_output: bool | None = None
 
 
 @dataclass
@@ -92,12 +87,9 @@ def _shard(param: nn.Parameter, dim: int, tp: int, rank: int) -> nn.Parameter:
     return nn.Parameter(param.detach().narrow(dim, rank * size, size).clone(), param.requires_grad)
 
 
-def required_ops(cfg: ParallelizeConfig, tp: int, cp: int) -> list[str]:
-    """The dispatched ops this layout calls (checked against the comm path before any work)."""
-    ops = []
-    if tp > 1:
-        ops += ["all_gather_matmul", "matmul_reduce_scatter"] if cfg.sequence_parallel else ["all_reduce"]
-    return ops
+def required_ops(cfg: ParallelizeConfig) -> list[str]:
+    """The dispatched ops tensor parallelism calls (checked against the comm path before any work)."""
+    return ["all_gather_matmul", "matmul_reduce_scatter"] if cfg.sequence_parallel else ["all_reduce"]
 
 
 def apply_tensor_parallel(
@@ -140,12 +132,12 @@ def apply_tensor_parallel(
 
     tied = model.args.tie_embeddings
     embedding = VocabParallelEmbedding(column(model.tok_embeddings, "tok_embeddings"), ctx)
-    gather = (not cfg.sequence_parallel) if cfg.gather_output is None else cfg.gather_output
     out_weight = embedding.weight if tied else column(model.output, "output")
     if tied:
         shard_dims["output.weight"] = 0
     model.tok_embeddings = embedding
-    model.output = VocabParallelOutput(out_weight, ctx, gather_output=gather)
+    # Without sequence parallelism (decode) sampling needs the logits of the whole vocabulary.
+    model.output = VocabParallelOutput(out_weight, ctx, gather_output=not cfg.sequence_parallel)
     return ctx, shard_dims
 
 
@@ -158,10 +150,7 @@ def apply_context_parallel(model: Llama, mesh: DeviceMesh, comm_path: str) -> No
     cp_rank = mesh["cp"].get_local_rank()
     comm = make_comm(comm_path, group, require=ULYSSES_OPS)
     for block in model.layers:
-        base = block.attention.attention_fn
-        block.attention.attention_fn = ulysses_attention(
-            base if base is not None else sdpa_attention, group, comm
-        )
+        block.attention.attention_fn = ulysses_attention(block.attention.attention_fn, group, comm)
 
     def positions(module: nn.Module, args: tuple, kwargs: dict):
         tokens = args[0] if args else kwargs["tokens"]
@@ -195,7 +184,7 @@ def parallelize_llama(model: Llama, mesh: DeviceMesh, cfg: ParallelizeConfig | N
     tp, cp = mesh["tp"].size(), mesh["cp"].size()
     tp_ctx, shard_dims = None, {}
     if tp > 1:
-        comm = make_comm(cfg.comm, mesh["tp"].get_group(), require=required_ops(cfg, tp, cp))
+        comm = make_comm(cfg.comm, mesh["tp"].get_group(), require=required_ops(cfg))
         tp_ctx, shard_dims = apply_tensor_parallel(model, comm, cfg)
     elif cfg.comm != "torch":
         make_comm(cfg.comm, mesh["tp"].get_group())  # device checks even when tp = 1
@@ -213,7 +202,7 @@ def parallelize_llama(model: Llama, mesh: DeviceMesh, cfg: ParallelizeConfig | N
     if use_fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mp = MixedPrecisionPolicy(param_dtype=cfg.fsdp_param_dtype, reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
         for i, block in enumerate(model.layers):
             # The last block's parameters are needed again at once by the backward: keep them gathered.
             fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(model.layers) - 1)

@@ -10,7 +10,6 @@ from model.data import (
     PackedDataset,
     build_dataset,
     load_documents,
-    load_text,
     tokenize_corpus,
 )
 from model.tokenizer import ByteTokenizer
@@ -23,10 +22,9 @@ def dataset(tokens: torch.Tensor, rank: int = 0, world_size: int = 1, seed: int 
 def test_default_corpus_is_python_topics() -> None:
     from pydoc_data.topics import topics
 
-    text = load_text(None)
-    assert text == "\n\n".join(topics[key] for key in sorted(topics))
-    assert len(text) > 400_000
-    assert load_documents(None) == [topics[key] for key in sorted(topics)]
+    documents = load_documents(None)
+    assert documents == [topics[key] for key in sorted(topics)]
+    assert sum(map(len, documents)) > 400_000
 
 
 def test_text_jsonl_and_directory(tmp_path: Path) -> None:
@@ -36,34 +34,32 @@ def test_text_jsonl_and_directory(tmp_path: Path) -> None:
         json.dumps({"text": "doc one", "body": "x"}) + "\n\n" + json.dumps({"text": "doc two"}) + "\n"
     )
     (tmp_path / "ignored.bin").write_bytes(b"\x00\x01")
-    assert load_text(str(tmp_path / "b.txt")) == "second file"
+    assert load_documents(str(tmp_path / "b.txt")) == ["second file"]
     assert load_documents(str(tmp_path / "c.jsonl")) == ["doc one", "doc two"]
     assert load_documents(str(tmp_path)) == ["# first file", "second file", "doc one", "doc two"]
-    assert load_text(str(tmp_path)) == "# first file\n\nsecond file\n\ndoc one\n\ndoc two"
     (tmp_path / "d.jsonl").write_text(json.dumps({"body": "other field"}) + "\n")
     assert load_documents(str(tmp_path / "d.jsonl"), jsonl_field="body") == ["other field"]
 
 
 def test_loading_errors_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_text(str(tmp_path / "nope.txt"))
+        load_documents(str(tmp_path / "nope.txt"))
     bad = tmp_path / "corpus.jsonl"
     bad.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
     with pytest.raises(ValueError, match=r"corpus\.jsonl:2 has no field 'text'"):
-        load_text(str(bad))
+        load_documents(str(bad))
     bad.write_text('{"text": "fine"}\n\n{"text": broken\n')
     with pytest.raises(ValueError, match=r"corpus\.jsonl:3 is not valid JSON"):
-        load_text(str(bad))
+        load_documents(str(bad))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match=r"holds no \.txt/\.md/\.jsonl files"):
-        load_text(str(tmp_path / "empty"))
+    with pytest.raises(FileNotFoundError, match=r"holds no \.jsonl/\.md/\.py/\.rst/\.text/\.txt files"):
+        load_documents(str(tmp_path / "empty"))
 
 
 def test_tokenize_joins_documents_with_eos() -> None:
     tokenizer = ByteTokenizer()
     assert tokenize_corpus(["ab", "c"], tokenizer).tolist() == [256, 97, 98, 257, 256, 99, 257]
-    assert tokenize_corpus("ab", tokenizer).tolist() == [256, 97, 98, 257]
-    built = build_dataset("x" * 500, tokenizer, seq_len=8, batch_size=2, rank=0, world_size=1, seed=0)
+    built = build_dataset(["x" * 500], tokenizer, seq_len=8, batch_size=2, rank=0, world_size=1, seed=0)
     inputs, targets = built.next_batch()
     assert inputs.shape == targets.shape == (2, 8) and inputs.dtype == torch.int64
 

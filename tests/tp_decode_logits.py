@@ -43,7 +43,7 @@ def main() -> None:
     mesh = None
     if world > 1:
         dims = ParallelDims(dp=1, cp=1, tp=world, comm="triton")
-        validate_model(dims, args, training=False)
+        validate_model(dims, args)
         mesh = build_mesh(dims, "cuda")
     model = build_model(args, path, device, torch.bfloat16, mesh, "triton")
 
