@@ -42,7 +42,7 @@ from model.decode import (
 )
 from model.fp8 import Fp8Kernels, check_fp8_device
 from model.generate import DecodeStep, Sampling, decode_tokens, prefill
-from model.generation_config import resolve_sampling, stop_ids
+from model.generation_config import resolve_sampling, stop_ids, unapplied_settings
 from model.llama import Llama
 from model.loading import checkpoint_tokenizer, resolve_init_weights, tokenizer_dir
 from model.memory import check_serving_fits
@@ -264,12 +264,19 @@ def prepare_completion(cfg: ServeConfig, checkpoint: Path | None, args: ModelArg
             f"{args.max_seq_len}: shorten the prompt or lower max_new_tokens"
         )
     sampling = resolve_sampling(directory, cfg.temperature, cfg.top_k, cfg.top_p)
+    unapplied = unapplied_settings(directory)
+    if unapplied and distributed.rank() == 0:
+        log.warning(
+            f"warning: {directory / 'generation_config.json'} sets {', '.join(unapplied)}, which weft does "
+            "not apply: the completion can differ from transformers' generate"
+        )
     return Completion(tokenizer, ids, echo, sampling, stop_ids(directory, tokenizer))
 
 
 def stream_completion(model: Llama, completion: Completion, cfg: ServeConfig, device: torch.device) -> None:
     """Decode the completion, rank 0 printing its text as the tokens arrive (after the echoed prompt),
-    then a line of figures on stderr: prompt and new tokens, time to first token, decode tokens/s."""
+    then a line of figures on stderr: prompt and new tokens, time to first token, the first decode step
+    (which compiles and captures the step where asked) and the decode rate of the steps after it."""
     is_main = distributed.rank() == 0
     generator = torch.Generator(device).manual_seed(cfg.seed)
     prompt = torch.tensor([completion.prompt_ids], device=device)
@@ -288,13 +295,13 @@ def stream_completion(model: Llama, completion: Completion, cfg: ServeConfig, de
     if is_main:
         print(completion.echo, end="", flush=True)
     start = time.perf_counter()
-    first = start
+    arrived = []  # the first two tokens' times: prefill, then the first decode step
     new = 0
     for token in steps:
         token_id = token.item()  # waits for the token: the timings below are real
         new += 1
-        if new == 1:
-            first = time.perf_counter()
+        if new <= 2:
+            arrived.append(time.perf_counter())
         if is_main:
             pieces.append(text.push(token_id))
             print(pieces[-1], end="", flush=True)
@@ -302,11 +309,13 @@ def stream_completion(model: Llama, completion: Completion, cfg: ServeConfig, de
     if is_main:
         pieces.append(text.flush())
         print(pieces[-1], flush=True)
-        decode = f"{(new - 1) / (end - first):.1f} tokens/s" if new > 1 else "n/a"
-        stats = (
-            f"[{len(completion.prompt_ids)} prompt tokens, {new} new tokens, "
-            f"time to first token {(first - start) * 1e3:.0f} ms, decode {decode}]"
-        )
+        figures = [f"{len(completion.prompt_ids)} prompt tokens", f"{new} new tokens"]
+        figures.append(f"time to first token {(arrived[0] - start) * 1e3:.0f} ms" if arrived else "no token")
+        if new > 1:
+            figures.append(f"first decode step {(arrived[1] - arrived[0]) * 1e3:.0f} ms")
+        if new > 2:
+            figures.append(f"decode {(new - 2) / (end - arrived[1]):.1f} tokens/s")
+        stats = f"[{', '.join(figures)}]"
         print(stats, file=sys.stderr, flush=True)
         record.info("".join(pieces))
         record.info(stats)
@@ -349,6 +358,9 @@ def run(cfg: ServeConfig, run_dir: Path) -> None:
     row = benchmark_decode(
         model, cfg.batch_size, cfg.prompt_len, cfg.decode_steps, cfg.cuda_graphs, device, cfg.compile
     )
+    # What ran: the checkpoint as given (a Hugging Face directory's args are all named "hf") and the layout.
+    model_name = Path(cfg.checkpoint).resolve().name if cfg.checkpoint is not None else row["model"]
+    row = {"tp": dims.tp, "comm": dims.comm if dims.tp > 1 else "-", **row, "model": model_name}
     if distributed.rank() == 0:
         table = markdown_table([row])
         log.info(table)

@@ -40,7 +40,7 @@ from model.hf import export_hf
 from model.llama import Llama
 from model.loading import checkpoint_tokenizer, resolve_init_weights
 from model.memory import check_training_fits
-from model.tokenizer import save_tokenizer
+from model.tokenizer import HFTokenizer, save_tokenizer
 from parallel import distributed
 from parallel.checkpoint import (
     full_model_state,
@@ -305,6 +305,7 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
     flops_per_token = args.training_flops_per_token(t.seq_len)
     peak = peak_flops(device)
     config = OmegaConf.to_container(cfg, resolve=True)  # recorded in each checkpoint
+    hf_tokenizer = isinstance(tokenizer, HFTokenizer)
     metrics = MetricsLog(run_dir, start_step, t.steps, cfg.logging.tensorboard) if rank == 0 else None
     # Drawn only on a terminal: redirected to a file, a bar is a stream of carriage returns.
     show_bar = rank == 0 and cfg.logging.progress_bar and sys.stderr.isatty()
@@ -373,6 +374,7 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
                         dataset.state_dict(),
                         cfg.checkpoint.keep,
                         config,
+                        hf_tokenizer,
                     )
                 # Data parallel keeps identical weights and optimizer state on every rank: rank 0 saves.
                 elif rank == 0:
@@ -385,6 +387,7 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
                         dataset.state_dict(),
                         keep=cfg.checkpoint.keep,
                         config=config,
+                        hf_tokenizer=hf_tokenizer,
                     )
                 if dist.is_initialized():
                     dist.barrier()

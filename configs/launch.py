@@ -50,7 +50,11 @@ def one_line(err: BaseException) -> str:
         group = err.missing_cfg_file.rpartition("/")[0]
         return f"{first}; the choices for {group} are {', '.join(err.options)}"
     if isinstance(err, OverrideParseException):
-        return f"cannot parse an override: {first}"
+        key, _, value = err.override.partition("=")
+        return (
+            f"cannot parse the override {err.override!r} ({first}): a value with brackets, colons, commas, "
+            f"quotes or non-ASCII letters goes in single quotes inside the shell's: {key}=\"'{value}'\""
+        )
     if isinstance(err, HydraException) and isinstance(cause, OmegaConfBaseException):
         return f"{first}: {str(cause.msg).split(chr(10))[0]}"
     if isinstance(err, OmegaConfBaseException):

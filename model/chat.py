@@ -9,6 +9,8 @@ from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
+from model.tokenizer import read_json
+
 
 def load_chat_template(directory: Path | None) -> str | None:
     """The default chat template of a tokenizer directory, where AutoTokenizer finds it:
@@ -19,7 +21,7 @@ def load_chat_template(directory: Path | None) -> str | None:
     if (directory / "chat_template.jinja").is_file():
         return (directory / "chat_template.jinja").read_text()
     config = directory / "tokenizer_config.json"
-    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    template = read_json(config).get("chat_template")
     if isinstance(template, list):
         named = {entry.get("name"): entry.get("template") for entry in template}
         if "default" not in named:

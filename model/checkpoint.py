@@ -6,7 +6,8 @@ mid-save never touches the last complete checkpoint.
         model.safetensors        the model's state dict (a tied output weight stored once)
         train_state.safetensors  optimizer tensors and RNG states
         meta.json                step, model args, data position, scheduler, optimizer hyper-parameters,
-                                 and the run's config (what the training that wrote it was told)
+                                 the run's config (what the training that wrote it was told) and the
+                                 kind of tokenizer (a Hugging Face one lives in the run directory)
 
 A resume reads every file before it changes anything, so an unreadable (truncated) checkpoint can be
 skipped for the one before it (`load_newest_intact`).
@@ -162,9 +163,12 @@ def save_checkpoint(
     data_state: dict[str, Any] | None = None,
     keep: int = 2,
     config: dict[str, Any] | None = None,
+    hf_tokenizer: bool = False,
 ) -> Path:
     """Write the checkpoint of `step` atomically and keep only the newest `keep` ones; `config` (the
-    run's config as plain values) is kept in meta.json. Call it from one process per run directory
+    run's config as plain values) is kept in meta.json, and whether the run trained on a Hugging Face
+    tokenizer (kept in the run directory) rather than bytes, so that a checkpoint moved out of its run
+    is not served with the wrong one. Call it from one process per run directory
     (rank 0): temporary directories of other saves count as crashed."""
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -184,6 +188,7 @@ def save_checkpoint(
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "python_rng": random.getstate(),
         "config": config,
+        "tokenizer": "huggingface" if hf_tokenizer else "bytes",
     }
     if optimizer is not None:
         tensors, meta["optimizer"] = optimizer_tensors(optimizer)

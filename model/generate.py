@@ -68,6 +68,10 @@ def sample(
     """Next token per row of logits [B, V] as `Sampling` describes (a draw from `sample_logits`)."""
     if temperature <= 0:
         return logits.argmax(dim=-1)
+    # Shifted so that the largest is 0 (softmax, top-k and top-p do not change): a tiny temperature
+    # then scales the others to -inf instead of every logit to +-inf (NaN probabilities).
+    logits = logits.float()
+    logits = logits - logits.amax(dim=-1, keepdim=True)
     probs = torch.softmax(sample_logits(logits, temperature, top_k, top_p), dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 

@@ -10,6 +10,27 @@ from model.tokenizer import Tokenizer, read_json
 
 # transformers' top_k when generation_config.json asks for sampling without naming one.
 TRANSFORMERS_TOP_K = 50
+# generation_config.json settings by which transformers' generate would choose other tokens and that
+# weft does not apply, with the value that leaves each off.
+UNAPPLIED_SETTINGS = {
+    "repetition_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "min_p": None,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "num_beams": 1,
+    "penalty_alpha": None,
+    "min_length": 0,
+    "min_new_tokens": None,
+    "bad_words_ids": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "sequence_bias": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None,
+}
 
 
 def stop_ids(directory: Path | None, tokenizer: Tokenizer) -> list[int]:
@@ -36,6 +57,16 @@ def default_sampling(directory: Path | None) -> Sampling:
     )
 
 
+def unapplied_settings(directory: Path | None) -> list[str]:
+    """generation_config.json's settings (`UNAPPLIED_SETTINGS`) that weft does not apply, as "key=value"."""
+    config = read_json(directory / "generation_config.json") if directory is not None else {}
+    return [
+        f"{key}={config[key]}"
+        for key, off in UNAPPLIED_SETTINGS.items()
+        if config.get(key) not in (off, None, [])
+    ]
+
+
 def resolve_sampling(
     directory: Path | None, temperature: float | None, top_k: int | None, top_p: float | None
 ) -> Sampling:
@@ -49,4 +80,12 @@ def resolve_sampling(
         k: f"from {file}" for k, v in given.items() if v is None and file is not None and file.is_file()
     }
     sampling.validate(sources)
+    # As transformers warns: top_k and top_p narrow a draw, and greedy decoding draws nothing.
+    narrowing = [f"{k}={v}" for k, v in (("top_k", top_k), ("top_p", top_p)) if v not in (None, 0, 1, 1.0)]
+    if sampling.temperature == 0 and narrowing:
+        where = f" {sources['temperature']}" if "temperature" in sources else ""
+        raise ValueError(
+            f"{' and '.join(narrowing)} narrow sampling, but the temperature is 0{where} (greedy): "
+            "set temperature > 0 too"
+        )
     return sampling

@@ -36,11 +36,19 @@ TOP_NAMES = {"model.embed_tokens": "tok_embeddings", "model.norm": "norm", "lm_h
 
 
 def is_hf_checkpoint(path: str | Path) -> bool:
+    """Whether `path` is a Hugging Face Llama directory; a config.json of another model is a ValueError
+    (weft runs Llama models only), so that it is not reported as missing."""
     config = Path(path) / "config.json"
     if not config.is_file():
         return False
-    cfg = json.loads(config.read_text())
-    return cfg.get("model_type") == "llama" or "LlamaForCausalLM" in cfg.get("architectures", [])
+    cfg = read_json(config)
+    architectures = cfg.get("architectures") or []
+    if cfg.get("model_type") == "llama" or "LlamaForCausalLM" in architectures:
+        return True
+    raise ValueError(
+        f"{config} describes a model of type {cfg.get('model_type')!r} "
+        f"({', '.join(map(str, architectures))}): weft runs Llama models (model_type llama, LlamaForCausalLM)"
+    )
 
 
 def args_from_hf_config(cfg: dict) -> ModelArgs:
@@ -51,6 +59,13 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
     if absent:
         raise ValueError(f"config.json lacks {', '.join(absent)}: is this a Llama config?")
     dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads or dim % heads:
+        raise ValueError(
+            f"config.json's num_attention_heads={heads}, num_key_value_heads={kv_heads} and "
+            f"hidden_size={dim} do not make a Llama (heads a multiple of kv heads, hidden size a multiple "
+            "of heads): repair config.json"
+        )
     if cfg.get("head_dim") not in (None, dim // heads):
         raise ValueError(
             f"head_dim {cfg['head_dim']} != hidden_size / num_attention_heads = {dim // heads}: "
@@ -69,6 +84,12 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
     scaling = None
     kind = raw.get("rope_type", raw.get("type", "default"))
     if kind == "llama3":
+        needed = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [key for key in needed if key not in raw]
+        if missing:
+            raise ValueError(
+                f"config.json's llama3 rope scaling lacks {', '.join(missing)}: repair config.json"
+            )
         scaling = RopeScaling(
             factor=raw["factor"],
             low_freq_factor=raw["low_freq_factor"],
@@ -84,7 +105,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         dim=dim,
         n_layers=cfg["num_hidden_layers"],
         n_heads=heads,
-        n_kv_heads=cfg.get("num_key_value_heads") or heads,
+        n_kv_heads=kv_heads,
         vocab_size=cfg["vocab_size"],
         ffn_hidden=cfg["intermediate_size"],
         norm_eps=cfg.get("rms_norm_eps", 1e-5),
@@ -130,7 +151,10 @@ def safetensors_files(path: Path) -> list[Path]:
     """The safetensors files of a Hugging Face directory: those its index lists, or model.safetensors."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no weight_map: download the checkpoint again")
+        names = sorted(set(map(str, weight_map.values())))
     elif (path / "model.safetensors").is_file():
         names = ["model.safetensors"]
     else:
@@ -150,7 +174,7 @@ def open_hf_checkpoint(path: str | Path) -> tuple[ModelArgs, LazyTensors]:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} has no config.json: give a Hugging Face model directory")
-    args = args_from_hf_config(json.loads((path / "config.json").read_text()))
+    args = args_from_hf_config(read_json(path / "config.json"))
     sources, unknown = {}, []
     for file in safetensors_files(path):
         for name in tensor_names(file):

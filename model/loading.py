@@ -4,7 +4,6 @@ serve.py (`checkpoint=`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -12,7 +11,7 @@ import torch
 from model.args import ModelArgs
 from model.checkpoint import LazyTensors, copy_state_into, latest_checkpoint, read_model_args
 from model.hf import args_from_hf_config, is_hf_checkpoint, open_hf_checkpoint
-from model.tokenizer import Tokenizer, load_tokenizer
+from model.tokenizer import Tokenizer, load_tokenizer, read_json
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -34,7 +33,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def checkpoint_args(path: Path) -> ModelArgs:
     if is_hf_checkpoint(path):
-        return args_from_hf_config(json.loads((path / "config.json").read_text()))
+        return args_from_hf_config(read_json(path / "config.json"))
     return read_model_args(path)
 
 
@@ -69,10 +68,13 @@ def load_weights_into(model: torch.nn.Module, path: Path) -> None:
 
 def tokenizer_dir(checkpoint: Path | None) -> Path | None:
     """Where the tokenizer of a resolved checkpoint lives: a Hugging Face directory holds its own; a
-    weft checkpoint's run directory holds the one it was trained with (None: the byte tokenizer)."""
+    weft checkpoint's run directory holds the one it was trained with, unless tokenizer files were
+    copied into the checkpoint directory itself (None: the byte tokenizer)."""
     if checkpoint is None:
         return None
-    return checkpoint if is_hf_checkpoint(checkpoint) else checkpoint.parent.parent
+    if is_hf_checkpoint(checkpoint) or (checkpoint / "tokenizer.json").is_file():
+        return checkpoint
+    return checkpoint.parent.parent
 
 
 def checkpoint_tokenizer(checkpoint: Path | None) -> Tokenizer:
@@ -88,4 +90,16 @@ def checkpoint_tokenizer(checkpoint: Path | None) -> Tokenizer:
             "tokenizer_config.json), e.g. with transformers: "
             f"AutoTokenizer.from_pretrained(...).save_pretrained({str(checkpoint)!r})"
         )
-    return load_tokenizer(tokenizer_dir(checkpoint))
+    directory = tokenizer_dir(checkpoint)
+    if (
+        checkpoint is not None
+        and directory != checkpoint
+        and read_json(checkpoint / "meta.json").get("tokenizer") == "huggingface"
+        and not (directory / "tokenizer.json").is_file()
+    ):
+        raise ValueError(
+            f"{checkpoint} was trained with a Hugging Face tokenizer, kept in its run directory, but "
+            f"{directory} has no tokenizer.json: serve the checkpoint inside its run directory, or copy "
+            "the run directory's tokenizer files (tokenizer.json, tokenizer_config.json) beside its weights"
+        )
+    return load_tokenizer(directory)

@@ -87,7 +87,19 @@ def byte_level_chars() -> list[str]:
 
 
 def read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """A JSON object file's contents, {} where the file does not exist; a file that is no JSON object
+    (cut short, hand-edited) is a ValueError naming it."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not valid JSON ({err}): repair it or download it again") from None
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"{path} holds a JSON {type(value).__name__}, not an object: repair it or download it again"
+        )
+    return value
 
 
 def token_content(token: object) -> str | None:
@@ -117,10 +129,13 @@ class HFTokenizer:
         file = self.directory / "tokenizer.json"
         if not file.is_file():
             raise FileNotFoundError(f"{file} does not exist: a Hugging Face tokenizer needs tokenizer.json")
-        self.tokenizer = Tokenizer.from_file(str(file))
+        try:
+            self.tokenizer = Tokenizer.from_file(str(file))
+        except Exception as err:  # the tokenizers library raises a bare Exception
+            raise ValueError(f"{file} cannot be read ({err}): download the tokenizer files again") from None
         self.vocab_size = self.tokenizer.get_vocab_size(with_added_tokens=True)
         # SentencePiece-style byte fallback: tokens <0x00>..<0xFF> spell characters the vocabulary lacks.
-        byte_fallback = json.loads(file.read_text())["model"].get("byte_fallback", False)
+        byte_fallback = read_json(file)["model"].get("byte_fallback", False)
         byte_ids = (self.tokenizer.token_to_id(f"<0x{b:02X}>") for b in range(256)) if byte_fallback else ()
         self.byte_fallback_ids = frozenset(i for i in byte_ids if i is not None)
         self.bos_id = self._special_id("bos")
@@ -139,10 +154,7 @@ class HFTokenizer:
 
     def _special_id(self, kind: str) -> int | None:
         for name in CONFIG_FILES:
-            path = self.directory / name
-            if not path.is_file():
-                continue
-            config = json.loads(path.read_text())
+            config = read_json(self.directory / name)
             token = token_content(config.get(f"{kind}_token"))
             if token is not None and self.tokenizer.token_to_id(token) is not None:
                 return self.tokenizer.token_to_id(token)

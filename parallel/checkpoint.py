@@ -300,6 +300,7 @@ def save_parallel_checkpoint(
     data_state: dict[str, Any] | None,
     keep: int,
     config: dict[str, Any] | None = None,
+    hf_tokenizer: bool = False,
 ) -> Path | None:
     """model/checkpoint.save_checkpoint for a parallelized model: every rank gathers (collective), rank
     0 writes the usual layout-free checkpoint. Returns the directory on rank 0, None elsewhere."""
@@ -310,7 +311,15 @@ def save_parallel_checkpoint(
     if not is_writer():
         return None
     return save_checkpoint(
-        run_dir, step, model_view, optim_view, scheduler, data_state, keep=keep, config=config
+        run_dir,
+        step,
+        model_view,
+        optim_view,
+        scheduler,
+        data_state,
+        keep=keep,
+        config=config,
+        hf_tokenizer=hf_tokenizer,
     )
 
 

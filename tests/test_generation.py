@@ -5,6 +5,7 @@ sampling filters as transformers' warpers; `serve.py mode=generate` prints Llama
 greedy completion, stopping at the first of several stop ids, alone and with tensor parallelism."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,14 @@ from configs.schema import ParallelConfig, ServeConfig  # noqa: E402
 from model.args import ModelArgs  # noqa: E402
 from model.chat import load_chat_template, render_chat  # noqa: E402
 from model.generate import Sampling, generate, sample, sample_logits  # noqa: E402
-from model.generation_config import default_sampling, resolve_sampling, stop_ids  # noqa: E402
+from model.generation_config import (  # noqa: E402
+    default_sampling,
+    resolve_sampling,
+    stop_ids,
+    unapplied_settings,
+)
 from model.llama import Llama  # noqa: E402
+from model.loading import checkpoint_tokenizer  # noqa: E402
 from model.tokenizer import ByteTokenizer, HFTokenizer, TextStream  # noqa: E402
 from serve import prepare_completion  # noqa: E402
 from tests.test_train_serve import run_script  # noqa: E402
@@ -251,6 +258,12 @@ def test_seeded_sampling_repeats() -> None:
     assert not torch.equal(draw(1), draw(2))
 
 
+def test_tiny_temperature_draws_the_most_likely_token() -> None:
+    """1 / temperature overflows every logit to +-inf; the draw is still the argmax, not NaN."""
+    logits = torch.randn(3, 50) * 10
+    assert torch.equal(sample(logits, 1e-45, top_p=0.9), logits.argmax(-1))
+
+
 def test_stop_ids_and_sampling_defaults_from_files(tmp_path: Path) -> None:
     directory = write_tokenizer_dir(tmp_path, "llama3")
     tokenizer = HFTokenizer(directory)
@@ -273,6 +286,17 @@ def test_stop_ids_and_sampling_defaults_from_files(tmp_path: Path) -> None:
     (directory / "generation_config.json").write_text(json.dumps({**gen, "top_p": 2.0}))
     with pytest.raises(ValueError, match=r"top_p=2.0 \(from .*generation_config\.json\) is outside"):
         resolve_sampling(directory, None, None, None)
+    # top_k / top_p narrow a draw: asked for while decoding greedily, they would silently do nothing.
+    with pytest.raises(ValueError, match=r"^top_k=40 narrow sampling, but the temperature is 0 \(greedy\)"):
+        resolve_sampling(None, None, 40, None)
+    (directory / "generation_config.json").write_text(json.dumps({"do_sample": False, "num_beams": 1}))
+    with pytest.raises(ValueError, match=r"^top_p=0.5 .* temperature is 0 from .*generation_config\.json"):
+        resolve_sampling(directory, None, None, 0.5)
+    assert resolve_sampling(directory, 0.7, 40, 0.5) == Sampling(0.7, 40, 0.5)
+    assert unapplied_settings(directory) == []
+    extras = {"repetition_penalty": 1.5, "suppress_tokens": [], "min_p": 0.05, "no_repeat_ngram_size": 0}
+    (directory / "generation_config.json").write_text(json.dumps(extras))
+    assert unapplied_settings(directory) == ["repetition_penalty=1.5", "min_p=0.05"]
 
 
 def serve_config(checkpoint: Path | None, **overrides) -> ServeConfig:
@@ -397,7 +421,10 @@ def test_serve_prints_transformers_greedy_completion(tmp_path: Path, kind: str) 
     done = serve(checkpoint, tmp_path / "run", f"prompt={prompt}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout == prompt + text + "\n"
-    assert f"{len(new)} new tokens" in done.stderr and "tokens/s" in done.stderr
+    assert f"{len(new)} new tokens, time to first token" in done.stderr
+    # The first decode step (a compile or graph capture where asked) is reported apart from the rate.
+    assert ("first decode step" in done.stderr) == (len(new) > 1)
+    assert ("tokens/s" in done.stderr) == (len(new) > 2)
 
 
 @pytest.mark.parametrize(("kind", "tp"), [("llama3", 1), ("qwen", 2)])
@@ -461,6 +488,15 @@ def test_init_from_and_export_keep_tokenizer_template_and_generation_config(tmp_
         assert default_sampling(directory) == Sampling(temperature=0.6, top_k=50, top_p=0.9)
     exported = transformers.GenerationConfig.from_pretrained(run / "hf")
     assert (exported.eos_token_id, exported.do_sample, exported.top_p) == ([1, 2], True, 0.9)
+    # A checkpoint copied out of its run has left its tokenizer behind: refused, not decoded as bytes.
+    step = next((run / "checkpoints").glob("step_*"))
+    moved = tmp_path / "elsewhere" / "a" / step.name
+    shutil.copytree(step, moved)
+    with pytest.raises(ValueError, match=r"was trained with a Hugging Face tokenizer, kept in its run"):
+        checkpoint_tokenizer(moved)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(run / name, moved / name)
+    assert checkpoint_tokenizer(moved).encode_prompt(TEXTS[0]) == reference(TEXTS[0])["input_ids"]
 
 
 def test_init_from_checks_seq_len_against_the_checkpoint(tmp_path: Path) -> None:

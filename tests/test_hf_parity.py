@@ -15,7 +15,7 @@ from model.checkpoint import save_checkpoint  # noqa: E402
 from model.generate import generate  # noqa: E402
 from model.hf import args_from_hf_config, export_hf, is_hf_checkpoint, load_hf_checkpoint  # noqa: E402
 from model.llama import Llama  # noqa: E402
-from model.loading import load_weights_into  # noqa: E402
+from model.loading import load_weights_into, resolve_checkpoint  # noqa: E402
 from model.tokenizer import ByteTokenizer, load_tokenizer  # noqa: E402
 from tests.test_tokenizer import write_hf_tokenizer  # noqa: E402
 
@@ -200,6 +200,14 @@ def test_config_variants_and_unsupported_configs() -> None:
         ({"head_dim": 32}, "head_dim 32 != hidden_size / num_attention_heads = 16"),
         ({"attention_bias": True}, "attention_bias=True"),
         ({"hidden_act": "gelu"}, "hidden_act=gelu"),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+            "llama3 rope scaling lacks low_freq_factor",
+        ),
+        (
+            {"num_key_value_heads": 4},
+            "num_attention_heads=6, num_key_value_heads=4 and hidden_size=96 do not",
+        ),
     ]:
         with pytest.raises(ValueError, match=reason):
             args_from_hf_config({**HF_CONFIG, **change})
@@ -226,3 +234,29 @@ def test_hf_directory_checks(tmp_path: Path) -> None:
     save_checkpoint(weft_run, 1, Llama(ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2)))
     assert not is_hf_checkpoint(weft_run / "checkpoints" / "step_00000001")
     assert not is_hf_checkpoint(tmp_path)
+
+
+def test_broken_or_foreign_directories_are_named(tmp_path: Path) -> None:
+    """A config.json of another model, JSON files cut short or of the wrong kind, a shard index
+    without its map: each a one-line error naming the file, not a traceback or 'no config.json'."""
+    hf = tmp_path / "hf"
+    hf_model().save_pretrained(hf, safe_serialization=True)
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**config, "model_type": "mistral", "architectures": None}))
+    with pytest.raises(ValueError, match=r"type 'mistral' \(\): weft runs Llama models"):
+        resolve_checkpoint(hf)
+    (hf / "config.json").write_text(json.dumps([config]))
+    with pytest.raises(ValueError, match=r"config\.json holds a JSON list, not an object"):
+        resolve_checkpoint(hf)
+    (hf / "config.json").write_text(json.dumps(config)[:-20])
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON \("):
+        resolve_checkpoint(hf)
+    (hf / "config.json").write_text(json.dumps(config))
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(ValueError, match=r"index\.json has no weight_map"):
+        load_hf_checkpoint(hf)
+    write_hf_tokenizer(hf)
+    text = (hf / "tokenizer.json").read_text()
+    (hf / "tokenizer.json").write_text(text[: len(text) // 2])
+    with pytest.raises(ValueError, match=r"tokenizer\.json cannot be read \(.*\): download the tokenizer"):
+        load_tokenizer(hf)

@@ -51,7 +51,7 @@ def error_line(config: str, *overrides: str) -> str:
         (["model=model_schema"], "the choices for model are debug, llama3_405b, llama3_70b, llama3_8b"),
         (["parallel=parallel_schema"], "the choices for parallel are default"),
         (["training.steps=abc"], "training.steps=abc: Value 'abc' of type 'str' could not be converted"),
-        (["training.steps=[1"], "cannot parse an override"),
+        (["training.steps=[1"], "cannot parse the override 'training.steps=[1'"),
     ],
 )
 def test_config_errors_name_the_valid_choices(overrides: list[str], message: str) -> None:
