@@ -27,9 +27,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from torch.distributed.device_mesh import DeviceMesh
 
-from configs.launch import launch, user_errors
+from configs.launch import command_line_overrides, launch, user_errors
 from configs.schema import ServeConfig
-from configs.validate import SERVE_DTYPES, validate_serve_config
+from configs.validate import SERVE_DTYPES, check_shape_overrides, validate_serve_config
 from model.args import ModelArgs
 from model.chat import load_chat_template, read_messages, render_chat
 from model.decode import (
@@ -334,6 +334,8 @@ def run(cfg: ServeConfig, run_dir: Path) -> None:
         )
     dtype = DTYPES[cfg.dtype]
     torch.manual_seed(cfg.seed)
+    if cfg.checkpoint is not None:
+        check_shape_overrides(command_line_overrides(), "checkpoint")
     checkpoint, args = resolve_init_weights(cfg.checkpoint, OmegaConf.to_object(cfg.model))
     validate_model(dims, args)
     completion = prepare_completion(cfg, checkpoint, args) if cfg.mode == "generate" else None

@@ -30,9 +30,9 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from configs.launch import launch, user_errors
+from configs.launch import command_line_overrides, launch, user_errors
 from configs.schema import TrainConfig
-from configs.validate import validate_train_config
+from configs.validate import check_shape_overrides, validate_train_config
 from model.args import ModelArgs
 from model.checkpoint import load_checkpoint, load_newest_intact, save_checkpoint
 from model.data import PackedDataset, build_dataset, load_documents
@@ -40,7 +40,7 @@ from model.hf import export_hf
 from model.llama import Llama
 from model.loading import checkpoint_tokenizer, resolve_init_weights
 from model.memory import check_training_fits
-from model.tokenizer import HFTokenizer, save_tokenizer
+from model.tokenizer import HFTokenizer, Tokenizer, save_tokenizer
 from parallel import distributed
 from parallel.checkpoint import (
     full_model_state,
@@ -97,12 +97,14 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
 class StepStats:
     loss: float
     grad_norm: float
+    lr: float  # the learning rate this step used
     tokens: int
     seconds: float
 
 
-class NonFiniteLoss(RuntimeError):
-    pass
+class NonFiniteStep(RuntimeError):
+    """A step whose loss or gradient norm is NaN or infinite (what became so, in words); raised before
+    the optimizer changes any weight."""
 
 
 def train_step(
@@ -113,11 +115,11 @@ def train_step(
     cfg: TrainConfig,
     device: torch.device,
     autocast_dtype: torch.dtype | None,
-    dp_size: int | None = None,
+    dp_size: int,
     cp_chunk: slice | None = None,
 ) -> StepStats:
-    """One optimizer step. `dp_size`: ranks holding different batches (default: all of them);
-    `cp_chunk`: this rank's part of the sequence under context parallelism."""
+    """One optimizer step. `dp_size`: ranks holding different batches; `cp_chunk`: this rank's part of
+    the sequence under context parallelism."""
     start = time.perf_counter()
     t = cfg.training
     total_loss = torch.zeros((), device=device)
@@ -143,17 +145,22 @@ def train_step(
     loss_value = total_loss.item()
     check_comms()  # a comm kernel that gave up waiting for a peer fails the step, naming the peer
     if not math.isfinite(loss_value):
-        raise NonFiniteLoss(loss_value)
+        raise NonFiniteStep(f"loss became {loss_value}")
     clip = t.grad_clip if t.grad_clip > 0 else float("inf")
     if hasattr(model, "parallel"):  # sharded parameters: the global norm needs their shards' sums
         grad_norm = clip_grad_norm_(model, clip).item()
     else:
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
+    # A finite loss can still come with non-finite gradients; the update would spread them into every
+    # weight (and into the checkpoint kept as the last good one). The norm is global: every rank agrees.
+    if not math.isfinite(grad_norm):
+        raise NonFiniteStep(f"the gradient norm became {grad_norm}")
+    lr = optimizer.param_groups[0]["lr"]
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    tokens = t.batch_size * t.seq_len * t.grad_accum * (dp_size or distributed.world_size())
-    return StepStats(loss_value, grad_norm, tokens, time.perf_counter() - start)
+    tokens = t.batch_size * t.seq_len * t.grad_accum * dp_size
+    return StepStats(loss_value, grad_norm, lr, tokens, time.perf_counter() - start)
 
 
 def set_optimizer_values(
@@ -204,6 +211,57 @@ def check_resume_config(
     set_optimizer_values(optimizer, scheduler, cfg, step)
 
 
+def save_run_checkpoint(
+    run_dir: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    dataset: PackedDataset,
+    cfg: TrainConfig,
+    sharded: bool,
+    hf_tokenizer: bool,
+) -> None:
+    """Save `step` (collective): a sharded model is gathered by every rank to full tensors and rank 0
+    writes them (the layout-free format); data parallel ranks hold identical state and rank 0 saves."""
+    config = OmegaConf.to_container(cfg, resolve=True)  # what the training was told, kept in meta.json
+    state = (run_dir, step, model, optimizer, scheduler, dataset.state_dict())
+    if sharded:
+        save_parallel_checkpoint(*state, cfg.checkpoint.keep, config, hf_tokenizer)
+    elif distributed.rank() == 0:
+        save_checkpoint(*state, keep=cfg.checkpoint.keep, config=config, hf_tokenizer=hf_tokenizer)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def export_run(
+    model: torch.nn.Module, args: ModelArgs, run_dir: Path, tokenizer: Tokenizer, sharded: bool
+) -> None:
+    """checkpoint.export_hf: the trained weights as a directory transformers loads, in run_dir / "hf"
+    (a sharded model is gathered by every rank first; rank 0 writes)."""
+    weights = full_model_state(model) if sharded else model
+    if distributed.rank() == 0:
+        out = export_hf(weights, args, run_dir / "hf", tokenizer=tokenizer, overwrite=True)
+        log.info(f"exported a Hugging Face model to {out}")
+
+
+def step_record(stats: StepStats, step: int, device: torch.device, peak: float | None, flops: float) -> dict:
+    """A metrics.jsonl line (and the progress bar's figures) for a step; `flops` per token."""
+    record = {
+        "step": step,
+        "loss": round(stats.loss, 5),
+        "lr": stats.lr,
+        "grad_norm": round(stats.grad_norm, 4),
+        "tokens_per_s": round(stats.tokens / stats.seconds, 1),
+    }
+    if device.type == "cuda":
+        record["memory_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
+        if peak is not None:
+            world = distributed.world_size()
+            record["mfu"] = round(stats.tokens / world * flops / stats.seconds / peak, 4)
+    return record
+
+
 def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: StopRequest) -> None:
     validate_train_config(cfg)
     device = distributed.resolve_device(cfg.device)
@@ -216,6 +274,8 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
         require_tensorboard()
     torch.manual_seed(t.seed)
 
+    if cfg.checkpoint.init_from is not None:
+        check_shape_overrides(command_line_overrides(), "checkpoint.init_from")
     init_path, args = resolve_init_weights(cfg.checkpoint.init_from, args)
     if t.seq_len > args.max_seq_len:  # the checkpoint's max_seq_len where one is loaded
         fix = "lower training.seq_len" if init_path else "lower training.seq_len or raise model.max_seq_len"
@@ -227,8 +287,6 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
     # Otherwise every rank holds the whole model and DDP averages gradients, as before.
     sharded = dims.model_parallel or (world > 1 and cfg.parallel.fsdp)
     check_training_fits(args, dims, t, sharded, device)
-    if rank == 0:  # once the configuration is known to be runnable: a refused launch leaves no directory
-        log.info(f"run directory: {shown(run_dir)}")
     mesh = build_mesh(dims, device.type) if sharded else None
     dp_rank = mesh["dp"].get_local_rank() if mesh is not None else rank
     dp_size = dims.dp if mesh is not None else world
@@ -280,9 +338,13 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
         if start_step >= t.steps:
             if rank == 0:
                 done = f"{shown(run_dir)} already holds step {start_step}"
-                log.info(f"{done} >= training.steps={t.steps}: nothing to do")
+                log.info(f"{done} >= training.steps={t.steps}: nothing to train")
+            if cfg.checkpoint.export_hf:
+                export_run(model, args, run_dir, tokenizer, mesh is not None)
             return
         check_resume_config(meta.get("config"), cfg, optimizer, scheduler, start_step, resume_from)
+    if rank == 0:  # once the launch is known to be runnable: a refused one leaves no directory
+        log.info(f"run directory: {shown(run_dir)}")
 
     train_model: torch.nn.Module = model
     if t.activation_checkpointing and mesh is None:  # (parallelize_llama applies it otherwise)
@@ -304,7 +366,6 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
 
     flops_per_token = args.training_flops_per_token(t.seq_len)
     peak = peak_flops(device)
-    config = OmegaConf.to_container(cfg, resolve=True)  # recorded in each checkpoint
     hf_tokenizer = isinstance(tokenizer, HFTokenizer)
     metrics = MetricsLog(run_dir, start_step, t.steps, cfg.logging.tensorboard) if rank == 0 else None
     # Drawn only on a terminal: redirected to a file, a bar is a stream of carriage returns.
@@ -315,6 +376,11 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
     interrupted = False
     # While the bar is drawn, log lines are printed above it.
     redirect = logging_redirect_tqdm() if show_bar else contextlib.nullcontext()
+    if stop.agreed():  # signalled while setting up: nothing is trained or saved, and no record is kept
+        if rank == 0:
+            log.info(f"{stop.signal.name} before the first step: stopping; nothing trained, nothing saved")
+        raise SystemExit(stop.exit_code)
+    stop.training_started()
     with bar, metrics or contextlib.nullcontext(), redirect:
         for step in range(start_step + 1, t.steps + 1):
             try:
@@ -329,32 +395,19 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
                     dp_size,
                     cp_chunk,
                 )
-            except NonFiniteLoss as err:
+            except NonFiniteStep as err:
                 # Every rank sees the same averaged loss and stops here; rank 0 says why.
                 kept = (
                     f"the last good checkpoint (step {last_saved}) is kept in {run_dir / 'checkpoints'}"
                     if last_saved > 0
                     else "no checkpoint was saved before it"
                 )
-                why = (
-                    f"loss became {err.args[0]} at step {step}: stopping; {kept}. Lower training.lr or check "
-                    "the data"
-                )
+                why = f"{err} at step {step}: stopping; {kept}. Lower training.lr or check the data"
                 raise SystemExit(why if rank == 0 else 1) from None
             launch_record.trained = True
             interrupted = stop.agreed() and step < t.steps  # the same answer on every rank
             last_of_launch = interrupted or step in (t.steps, t.stop_at)
-            record = {
-                "step": step,
-                "loss": round(stats.loss, 5),
-                "lr": scheduler.get_last_lr()[0],
-                "grad_norm": round(stats.grad_norm, 4),
-                "tokens_per_s": round(stats.tokens / stats.seconds, 1),
-            }
-            if device.type == "cuda":
-                record["memory_gb"] = round(torch.cuda.max_memory_allocated(device) / 1e9, 2)
-                if peak is not None:
-                    record["mfu"] = round(stats.tokens / world * flops_per_token / stats.seconds / peak, 4)
+            record = step_record(stats, step, device, peak, flops_per_token)
             bar.update(1)
             bar.set_postfix(
                 {k: v for k, v in record.items() if k in ("loss", "tokens_per_s", "memory_gb", "mfu")}
@@ -363,48 +416,21 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
                 metrics.write(record)
             every = cfg.checkpoint.every
             if last_of_launch or (every > 0 and step % every == 0):
-                if mesh is not None:
-                    # Sharded: every rank gathers the full tensors, rank 0 writes (layout-free format).
-                    save_parallel_checkpoint(
-                        run_dir,
-                        step,
-                        model,
-                        optimizer,
-                        scheduler,
-                        dataset.state_dict(),
-                        cfg.checkpoint.keep,
-                        config,
-                        hf_tokenizer,
-                    )
-                # Data parallel keeps identical weights and optimizer state on every rank: rank 0 saves.
-                elif rank == 0:
-                    save_checkpoint(
-                        run_dir,
-                        step,
-                        model,
-                        optimizer,
-                        scheduler,
-                        dataset.state_dict(),
-                        keep=cfg.checkpoint.keep,
-                        config=config,
-                        hf_tokenizer=hf_tokenizer,
-                    )
-                if dist.is_initialized():
-                    dist.barrier()
+                sharded_save = mesh is not None
+                save_run_checkpoint(
+                    run_dir, step, model, optimizer, scheduler, dataset, cfg, sharded_save, hf_tokenizer
+                )
                 last_saved = step
             if last_of_launch:
                 break
-    export = cfg.checkpoint.export_hf and step == t.steps
-    # A sharded model is gathered (by every rank) before rank 0 exports it.
-    weights = full_model_state(model) if export and mesh is not None else model
     if rank == 0:
         why = f"{stop.signal.name}: " if interrupted else ""
-        log.info(f"{why}stopped at step {step}, last loss {stats.loss:.4f}; run directory {shown(run_dir)}")
+        last = f"last loss {record['loss']:.4f}"  # as the step's line rounds it
+        log.info(f"{why}stopped at step {step}, {last}; run directory {shown(run_dir)}")
         if step < t.steps:
             log.info(f"checkpoint of step {step} saved; resume with: {resume_command(run_dir)}")
-        if export:
-            out = export_hf(weights, args, run_dir / "hf", tokenizer=tokenizer, overwrite=True)
-            log.info(f"exported a Hugging Face model to {out}")
+    if cfg.checkpoint.export_hf and step == t.steps:
+        export_run(model, args, run_dir, tokenizer, mesh is not None)
     if interrupted:
         raise SystemExit(stop.exit_code)
 
@@ -419,8 +445,8 @@ def main(cfg: TrainConfig) -> None:
             with StopRequest() as stop:
                 run(cfg, run_dir, launch_record, stop)
         except BaseException:
-            if distributed.rank() == 0 and not launch_record.trained:
-                launch_record.forget()
+            if not launch_record.trained:
+                launch_record.forget(writer=distributed.rank() == 0)
             raise
 
 

@@ -61,6 +61,8 @@ def main() -> None:
     parser.add_argument("run_dirs", nargs="+", type=Path, help="train.py run directories")
     parser.add_argument("--out", type=Path, required=True, help="the PNG file to write")
     opts = parser.parse_args()
+    if opts.out.suffix.lower() != ".png":
+        parser.error(f"--out {opts.out}: give a .png file")
     print(plot_runs(opts.run_dirs, opts.out))
 
 

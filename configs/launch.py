@@ -62,6 +62,13 @@ def one_line(err: BaseException) -> str:
     return first
 
 
+def command_line_overrides() -> list[str]:
+    """The overrides the running Hydra task was launched with (none outside one)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+
+
 def launch(main: Callable[[], None]) -> None:
     """Join the torchrun group first, so that every rank agrees on one run directory and only rank 0
     writes Hydra's logs and config copies; then run the Hydra `main`, and leave the group after."""

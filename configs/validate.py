@@ -8,6 +8,7 @@ and what to set it to; configs/launch.py prints it as one line.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import fields, is_dataclass
 
 from omegaconf import DictConfig, OmegaConf
@@ -63,6 +64,26 @@ def raise_first_failure(checks: list[tuple[bool, str]]) -> None:
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+
+
+# Of the model group, what a checkpoint's weights leave to the config: how to run them.
+RUN_CHOICES = ("model.fp8", "model.decode_kernels")
+
+
+def check_shape_overrides(overrides: Sequence[str], weights_key: str) -> None:
+    """Loaded weights bring their own shape: a command line that also sets one (model=PRESET,
+    model.dim=...) is refused, not silently ignored."""
+    keys = [override.lstrip("+~").split("=", 1)[0] for override in overrides]
+    shape = [
+        o
+        for o, key in zip(overrides, keys, strict=True)
+        if key == "model" or (key.startswith("model.") and key not in RUN_CHOICES)
+    ]
+    if shape:
+        raise ValueError(
+            f"{weights_key} gives the model's shape, so {', '.join(shape)} would be ignored: drop "
+            f"{'it' if len(shape) == 1 else 'them'} (of model.*, only {' and '.join(RUN_CHOICES)} apply)"
+        )
 
 
 def validate_train_config(cfg: TrainConfig) -> None:

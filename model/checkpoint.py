@@ -154,6 +154,17 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def save_tensors(
+    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
+) -> None:
+    """safetensors' save_file with the file readable as the umask allows, as every other file a run
+    writes (safetensors 0.8 creates its files owner-only, which keeps a shared model from its users)."""
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -178,7 +189,7 @@ def save_checkpoint(
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f"{final.name}.tmp-{os.getpid()}"
     tmp.mkdir()
-    save_file(model_state(model), str(tmp / "model.safetensors"))
+    save_tensors(model_state(model), tmp / "model.safetensors")
     train_tensors = rng_tensors()
     meta: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
@@ -193,7 +204,7 @@ def save_checkpoint(
     if optimizer is not None:
         tensors, meta["optimizer"] = optimizer_tensors(optimizer)
         train_tensors.update(tensors)
-    save_file(train_tensors, str(tmp / "train_state.safetensors"))
+    save_tensors(train_tensors, tmp / "train_state.safetensors")
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     for file in tmp.iterdir():
         with open(file, "rb") as handle:

@@ -12,6 +12,7 @@ import torch
 from model.tokenizer import Tokenizer
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text"}
+SUFFIXES = "/".join(sorted(TEXT_SUFFIXES | {".jsonl"}))
 
 
 def default_corpus() -> list[str]:
@@ -21,10 +22,22 @@ def default_corpus() -> list[str]:
     return [topics[key] for key in sorted(topics)]
 
 
+def read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"{path} is not UTF-8 text ({error.reason} at byte {error.start}): convert it to UTF-8"
+        ) from None
+
+
 def read_documents(path: Path, jsonl_field: str) -> list[str]:
+    """A .jsonl file's documents (the `jsonl_field` string of each line), or a text file as one."""
+    if path.suffix not in TEXT_SUFFIXES | {".jsonl"}:
+        raise ValueError(f"{path} is not a {SUFFIXES} file: weft reads UTF-8 text (decompress or rename it)")
     if path.suffix == ".jsonl":
         documents = []
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        for number, line in enumerate(read_text(path).splitlines(), start=1):
             if not line.strip():
                 continue
             try:
@@ -33,9 +46,14 @@ def read_documents(path: Path, jsonl_field: str) -> list[str]:
                 raise ValueError(f"{path}:{number} is not valid JSON ({error.msg})") from None
             if not isinstance(record, dict) or jsonl_field not in record:
                 raise ValueError(f"{path}:{number} has no field {jsonl_field!r}: set data.jsonl_field")
-            documents.append(str(record[jsonl_field]))
+            if not isinstance(record[jsonl_field], str):
+                kind = type(record[jsonl_field]).__name__
+                raise ValueError(
+                    f"{path}:{number}: {jsonl_field!r} is a {kind}, not text: set data.jsonl_field"
+                )
+            documents.append(record[jsonl_field])
         return documents
-    return [path.read_text(encoding="utf-8", errors="replace")]
+    return [read_text(path)]
 
 
 def load_documents(path: str | None, jsonl_field: str = "text") -> list[str]:
@@ -47,12 +65,15 @@ def load_documents(path: str | None, jsonl_field: str = "text") -> list[str]:
     if root.is_dir():
         files = sorted(p for p in root.rglob("*") if p.is_file() and (p.suffix in TEXT_SUFFIXES | {".jsonl"}))
         if not files:
-            suffixes = "/".join(sorted(TEXT_SUFFIXES | {".jsonl"}))
-            raise FileNotFoundError(f"data.path={path} holds no {suffixes} files")
-        return [doc for file in files for doc in read_documents(file, jsonl_field)]
-    if not root.is_file():
+            raise FileNotFoundError(f"data.path={path} holds no {SUFFIXES} files")
+        documents = [doc for file in files for doc in read_documents(file, jsonl_field)]
+    elif root.is_file():
+        documents = read_documents(root, jsonl_field)
+    else:
         raise FileNotFoundError(f"data.path={path} does not exist: give a text/.jsonl file or a directory")
-    return read_documents(root, jsonl_field)
+    if not any(documents):
+        raise ValueError(f"data.path={path} holds no text: give a corpus")
+    return documents
 
 
 def tokenize_corpus(documents: Sequence[str], tokenizer: Tokenizer, chunk: int = 1024) -> torch.Tensor:
@@ -83,10 +104,10 @@ class PackedDataset:
                 f"(got {seq_len}, {batch_size}, rank {rank} of {world_size})"
             )
         tokens = tokens.to(torch.int64)
-        self.windows = tokens[: (tokens.numel() - 1) // seq_len * seq_len + 1]
+        self.n_windows = max(0, (tokens.numel() - 1) // seq_len)
+        self.windows = tokens[: self.n_windows * seq_len + 1]
         self.seq_len, self.batch_size = seq_len, batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.n_windows = (self.windows.numel() - 1) // seq_len
         self.steps_per_epoch = self.n_windows // (batch_size * world_size)
         if self.steps_per_epoch == 0:
             needed = batch_size * world_size * seq_len + 1
@@ -113,12 +134,21 @@ class PackedDataset:
         return batch[:, :-1], batch[:, 1:]
 
     def state_dict(self) -> dict[str, int]:
-        """Where the next batch comes from: the epoch and the steps already taken in it."""
-        return {"epoch": self.epoch, "step": self.step}
+        """Where the next batch comes from: the epoch, the steps already taken in it, and the windows a
+        step took (data-parallel ranks x batch size), so that another layout resumes at the same place."""
+        return {"epoch": self.epoch, "step": self.step, "windows_per_step": self.world_size * self.batch_size}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        step = int(state["step"])
-        if not 0 <= step <= self.steps_per_epoch:
+        per_step = self.world_size * self.batch_size
+        taken = int(state["step"]) * int(state.get("windows_per_step", per_step))  # this epoch's windows
+        if taken % per_step:
+            raise ValueError(
+                f"the checkpoint's data position is {taken} windows into its epoch, not a whole number of "
+                f"this launch's steps of {per_step} windows (data-parallel ranks x training.batch_size = "
+                f"{self.world_size} x {self.batch_size}): resume with ranks x batch size dividing {taken}"
+            )
+        step = taken // per_step
+        if step > self.steps_per_epoch:
             raise ValueError(
                 f"saved data position {step} is past this corpus' {self.steps_per_epoch} steps per epoch: "
                 "resume with the same data, training.batch_size and training.seq_len"

@@ -15,10 +15,9 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from model.args import ModelArgs, RopeScaling
-from model.checkpoint import LazyTensors, state_mismatch, tensor_names
+from model.checkpoint import LazyTensors, save_tensors, state_mismatch, tensor_names
 from model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, read_json, save_tokenizer
 
 LAYER_NAMES = {
@@ -324,12 +323,12 @@ def export_hf(
         shards[-1][name] = tensor
         size += nbytes
     if len(shards) == 1:
-        save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_tensors(shards[0], tmp / "model.safetensors", metadata={"format": "pt"})
     else:
         weight_map = {}
         for i, shard in enumerate(shards, start=1):
             file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(tmp / file), metadata={"format": "pt"})
+            save_tensors(shard, tmp / file, metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(shard, file))
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -242,3 +242,15 @@ def test_no_readable_checkpoint_names_each_one(tmp_path: Path) -> None:
     assert "step_00000001/model.safetensors" in str(error.value)
     assert "step_00000002/model.safetensors" in str(error.value)
     assert load_newest_intact(tmp_path / "fresh", lambda p: load_checkpoint(p, tiny_model())) is None
+
+
+def test_tensor_files_are_readable_as_the_umask_allows(tmp_path: Path) -> None:
+    """safetensors 0.8 makes its files owner-only; a checkpoint's files get the umask's mode, as its
+    JSON does."""
+    previous = os.umask(0o022)
+    try:
+        path = save_checkpoint(tmp_path, 1, Llama(ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2)))
+    finally:
+        os.umask(previous)
+    modes = {file.name: file.stat().st_mode & 0o777 for file in path.iterdir()}
+    assert modes == {"model.safetensors": 0o644, "train_state.safetensors": 0o644, "meta.json": 0o644}

@@ -51,6 +51,18 @@ def test_loading_errors_are_one_line(tmp_path: Path) -> None:
     bad.write_text('{"text": "fine"}\n\n{"text": broken\n')
     with pytest.raises(ValueError, match=r"corpus\.jsonl:3 is not valid JSON"):
         load_documents(str(bad))
+    bad.write_text('{"text": "fine"}\n{"text": null}\n')
+    with pytest.raises(ValueError, match=r"corpus\.jsonl:2: 'text' is a NoneType, not text"):
+        load_documents(str(bad))
+    bad.write_bytes('{"text": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"corpus\.jsonl is not UTF-8 text \(invalid continuation byte"):
+        load_documents(str(bad))
+    (tmp_path / "corpus.jsonl.gz").write_bytes(b"\x1f\x8b\x08\x00")
+    with pytest.raises(ValueError, match=r"corpus\.jsonl\.gz is not a \.jsonl/\.md/.*: .*decompress"):
+        load_documents(str(tmp_path / "corpus.jsonl.gz"))
+    bad.write_text("\n\n")
+    with pytest.raises(ValueError, match=r"corpus\.jsonl holds no text: give a corpus"):
+        load_documents(str(bad))
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"holds no \.jsonl/\.md/\.py/\.rst/\.text/\.txt files"):
         load_documents(str(tmp_path / "empty"))
@@ -100,7 +112,7 @@ def test_resume_gives_the_same_batches() -> None:
     for _ in range(data.steps_per_epoch + 2):  # past an epoch boundary
         data.next_batch()
     state = data.state_dict()
-    assert state == {"epoch": 1, "step": 2}
+    assert state == {"epoch": 1, "step": 2, "windows_per_step": 8}
     resumed = dataset(tokens, rank=1, world_size=2)
     resumed.load_state_dict(json.loads(json.dumps(state)))  # as meta.json stores it
     for _ in range(data.steps_per_epoch + 1):
@@ -109,7 +121,32 @@ def test_resume_gives_the_same_batches() -> None:
         resumed.load_state_dict({"epoch": 0, "step": 10_000})
 
 
+def test_resume_over_another_number_of_ranks_continues_the_epoch() -> None:
+    """Windows are handed out in one order per epoch whatever the layout: 4 steps over 2 ranks took its
+    first 32, so 1 rank resumes at its step 8 and 4 ranks at their step 2; 3 ranks cannot (32 / 12)."""
+    tokens = torch.arange(16 * 4 * 24 + 1)
+    pair = [dataset(tokens, rank=r, world_size=2) for r in range(2)]
+    for _ in range(4):
+        for data in pair:
+            data.next_batch()
+    state = pair[0].state_dict()
+    one, quad = dataset(tokens), [dataset(tokens, rank=r, world_size=4) for r in range(4)]
+    one.load_state_dict(state)
+    for data in quad:
+        data.load_state_dict(state)
+    assert (one.step, quad[0].step) == (8, 2)
+    # The next 16 windows as 2 ranks would take them (2 steps), as 1 rank does (2 steps of 4) and as
+    # 4 ranks do (one step).
+    expected = torch.cat([data.next_batch()[0] for _ in range(2) for data in pair])
+    assert torch.equal(torch.cat([one.next_batch()[0] for _ in range(4)]), expected)
+    assert torch.equal(torch.cat([data.next_batch()[0] for data in quad]), expected)
+    with pytest.raises(ValueError, match=r"32 windows into its epoch, not a whole number .* 3 x 4"):
+        dataset(tokens, rank=0, world_size=3).load_state_dict(state)
+
+
 def test_too_small_corpus_says_how_many_tokens() -> None:
+    with pytest.raises(ValueError, match=r"has 0 tokens but one step over 1 rank\(s\) needs 65"):
+        dataset(torch.arange(0))
     # One step over 2 ranks needs 2 * 4 windows of 16 tokens plus the last target.
     with pytest.raises(ValueError, match=r"has 100 tokens but one step over 2 rank\(s\) needs 129"):
         dataset(torch.arange(100), world_size=2)

@@ -500,8 +500,9 @@ def test_init_from_and_export_keep_tokenizer_template_and_generation_config(tmp_
 
 
 def test_init_from_checks_seq_len_against_the_checkpoint(tmp_path: Path) -> None:
-    """A checkpoint's own max_seq_len (256 here) bounds training.seq_len, not the preset's; the message
-    asks for what can change (model.max_seq_len comes from the checkpoint)."""
+    """A checkpoint's own max_seq_len (256 here) bounds training.seq_len, not the preset's (1024); the
+    message asks for what can change (model.max_seq_len comes from the checkpoint, and setting it is
+    refused)."""
     source = tmp_path / "source"
     tiny_reference("llama3").save_pretrained(source)
     write_tokenizer_dir(source, "llama3")
@@ -509,7 +510,6 @@ def test_init_from_checks_seq_len_against_the_checkpoint(tmp_path: Path) -> None
     done = run_script(
         "train.py",
         f"checkpoint.init_from={source}",
-        "model.max_seq_len=4096",
         "training.seq_len=512",
         "device=cpu",
         f"hydra.run.dir={run}",
@@ -518,6 +518,16 @@ def test_init_from_checks_seq_len_against_the_checkpoint(tmp_path: Path) -> None
     assert "training.seq_len=512 exceeds the model's max_seq_len=256: lower training.seq_len\n" in (
         done.stdout + done.stderr
     )
+    assert not run.exists()
+    refused = run_script(
+        "train.py", f"checkpoint.init_from={source}", "model=llama3_8b", "model.n_layers=2",
+        "model.fp8=false", "device=cpu", f"hydra.run.dir={run}",
+    )  # fmt: skip
+    said = (
+        "checkpoint.init_from gives the model's shape, so model=llama3_8b, model.n_layers=2 would be "
+        "ignored: drop them (of model.*, only model.fp8 and model.decode_kernels apply)\n"
+    )
+    assert refused.returncode != 0 and said in refused.stdout + refused.stderr
     assert not run.exists()
 
 

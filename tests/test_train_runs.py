@@ -6,13 +6,16 @@ train.log, the console, TensorBoard and the plot."""
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from tests.multiprocess import run_ranks
 from tests.test_train_serve import CPU, ROOT, TINY, losses, run_script
@@ -195,6 +198,59 @@ def test_non_finite_loss_stops_every_rank_with_one_message(tmp_path: Path) -> No
     assert said == 1, done.stderr[-3000:]
 
 
+def test_non_finite_gradients_never_reach_a_checkpoint(tmp_path: Path) -> None:
+    """At this learning rate a finite loss comes with a NaN gradient norm at step 2: the run stops
+    before the update, so the checkpoint it keeps as the last good one holds finite weights."""
+    done = run_script(
+        "train.py", *TINY, CPU, "training.warmup_steps=0", "training.lr=1e8", "training.grad_clip=0",
+        "training.steps=10", "checkpoint.every=1", f"hydra.run.dir={tmp_path}",
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert (
+        "became nan at step 2: stopping; the last good checkpoint (step 1) is kept"
+        in done.stdout + done.stderr
+    )
+    assert checkpoint_steps(tmp_path) == [1]
+    weights = load_file(str(tmp_path / "checkpoints" / "step_00000001" / "model.safetensors"))
+    assert all(t.isfinite().all() for t in weights.values())
+
+
+def test_signal_before_the_first_step_trains_and_keeps_nothing(tmp_path: Path) -> None:
+    """A SIGINT that lands while the model is built stops before step 1: no checkpoint, no record."""
+    early = (
+        "import runpy, signal, sys\n"
+        "from training.interrupt import StopRequest\n"
+        "enter = StopRequest.__enter__\n"
+        "def signalled(self):\n"
+        "    enter(self)\n"
+        "    signal.raise_signal(signal.SIGINT)\n"
+        "    return self\n"
+        "StopRequest.__enter__ = signalled\n"
+        "sys.argv = ['train.py', *sys.argv[1:]]\n"
+        "runpy.run_path('train.py', run_name='__main__')\n"
+    )
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-c", early, *COMMON, f"hydra.run.dir={run_dir}"],
+        cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 128 + signal.SIGINT, done.stderr[-3000:]
+    assert "SIGINT before the first step: stopping; nothing trained, nothing saved" in done.stdout
+    assert not run_dir.exists()
+
+
+def test_export_of_a_finished_run(straight: Path, tmp_path: Path) -> None:
+    """checkpoint.export_hf=true on a run that already reached training.steps exports its weights."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(straight, run_dir)
+    done = run_script("train.py", *COMMON, "checkpoint.export_hf=true", f"hydra.run.dir={run_dir}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"already holds step {STEPS} >= training.steps={STEPS}: nothing to train" in done.stdout
+    exported = load_file(str(run_dir / "hf" / "model.safetensors"))
+    trained = load_file(str(run_dir / "checkpoints" / f"step_{STEPS:08d}" / "model.safetensors"))
+    assert torch.equal(exported["model.norm.weight"], trained["norm.weight"].to(torch.bfloat16))
+
+
 def test_second_signal_exits_at_once_and_resume_drops_replayed_rows(tmp_path: Path, straight: Path) -> None:
     run_dir = tmp_path / "run"
     process = start_training(*COMMON, "checkpoint.every=3", f"hydra.run.dir={run_dir}")
@@ -238,8 +294,9 @@ def test_changed_schedule_is_refused_unless_allowed(tmp_path: Path) -> None:
     assert allowed.returncode == 0, allowed.stderr[-3000:]
     assert "changed schedule (training.steps 8 -> 16" in allowed.stdout
     rows = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
-    # The lr logged at step 5 is the one step 6 uses: the new schedule's, not a stretched resume's.
-    assert rows[5]["lr"] == pytest.approx(3e-3 * lr_lambda(5, 2, 16, 0.1))
+    # The lr logged at step 5 is the one it used, as the refusal above said: the new schedule's.
+    assert rows[5]["lr"] == pytest.approx(new)
+    assert rows[1]["lr"] == pytest.approx(3e-3 * lr_lambda(0, 2, 8, 0.1))  # step 1's, half the peak
     assert len(list((tmp_path / "launches").iterdir())) == 2
     meta = json.loads((tmp_path / "checkpoints" / "step_00000016" / "meta.json").read_text())
     assert meta["config"]["training"]["steps"] == 16

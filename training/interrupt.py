@@ -3,7 +3,8 @@
 The first signal only raises a flag: the training loop finishes its step, every rank agrees on
 stopping (torchrun forwards the signal to each rank, which may receive it during different steps),
 then the loop saves a checkpoint and returns. A second signal ends the process at once, as its
-default action would, leaving the last complete checkpoint as it was.
+default action would, leaving the last complete checkpoint as it was; before the first step it
+raises KeyboardInterrupt instead, so that the launch's records are cleaned up on the way out.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal: signal.Signals | None = None
+        self._training = False
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopRequest:
@@ -41,12 +43,18 @@ class StopRequest:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
 
+    def training_started(self) -> None:
+        """From now on a second signal kills the process (no unwinding through a step's collectives)."""
+        self._training = True
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signal is not None:
-            # The second signal: no save, no clean-up; the process dies of it as it would by default.
             print(
                 f"\n{signal.Signals(signum).name} again: exiting without saving", file=sys.stderr, flush=True
             )
+            if not self._training:
+                raise KeyboardInterrupt
+            # No save, no clean-up: the process dies of the signal as it would by default.
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return

@@ -93,9 +93,14 @@ class LaunchRecord:
         self.files = run_dir / subdir if subdir else None
         self.trained = False
 
-    def forget(self) -> None:
+    def forget(self, writer: bool = True) -> None:
         """Undo a launch that failed before its first step: remove its record and, if the run
-        directory never trained, weft's files there and the directory itself when nothing else is."""
+        directory never trained, weft's files there and the directory itself when nothing else is.
+        Under torchrun only the writer (rank 0) removes files; every rank removes the run directory if
+        it is empty (Hydra makes it on each rank, and a peer may make it after rank 0 removed it)."""
+        if not writer:
+            _remove_if_empty(self.run_dir)
+            return
         if self.files is not None:
             shutil.rmtree(self.files, ignore_errors=True)
             _remove_if_empty(self.files.parent)
