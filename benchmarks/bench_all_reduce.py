@@ -24,7 +24,15 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS_DIR, device_name, init_gpu_ranks, slowest, time_graph, write_results
+from benchmarks.common import (
+    RESULTS_DIR,
+    device_name,
+    init_gpu_ranks,
+    positive,
+    slowest,
+    time_graph,
+    write_results,
+)
 from kernels.all_reduce import PUSH_ALGORITHMS
 from kernels.custom_all_reduce import ALGORITHMS, CustomAllReduce, launch_config
 from kernels.symm_mem import MAX_PROGRAMS
@@ -47,10 +55,10 @@ def timed(fn, calls: int, replays: int) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtype", default="bf16", choices=DTYPES)
-    p.add_argument("--min-size", type=int, default=4 * KiB)
-    p.add_argument("--max-size", type=int, default=32 * MiB)
-    p.add_argument("--calls", type=int, default=50, help="all-reduces captured back to back per graph")
-    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--min-size", type=positive, default=4 * KiB)
+    p.add_argument("--max-size", type=positive, default=32 * MiB)
+    p.add_argument("--calls", type=positive, default=50, help="all-reduces captured back to back per graph")
+    p.add_argument("--replays", type=positive, default=20)
     p.add_argument("--sweep", action="store_true", help="also time every launch config of the four kernels")
     p.add_argument(
         "--sweep-algos",
@@ -59,6 +67,8 @@ def main() -> None:
     )
     p.add_argument("--tag", default="", help="suffix for the result names")
     args = p.parse_args()
+    if args.min_size > args.max_size:
+        p.error(f"--min-size {args.min_size} is above --max-size {args.max_size}")
     sweep_algos = [a for a in args.sweep_algos.split(",") if a]
     unknown = set(sweep_algos) - set(ALGORITHMS)
     if unknown:

@@ -33,7 +33,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import init_gpu_ranks, time_ranks_interleaved, write_results
+from benchmarks.common import init_gpu_ranks, positive, time_ranks_interleaved, write_results
 from kernels.all_to_all import (
     DEFAULT_TIMEOUT_S,
     FLAG_BYTES,
@@ -169,7 +169,7 @@ def launch_sweep(seq: int, heads: int, world: int, rank: int, iters: int) -> lis
     torch.manual_seed(rank)
     xs = [
         torch.randn(1, seq // world, h, DIM, device="cuda", dtype=DTYPE).transpose(1, 2)
-        for h in (heads, heads // 4, heads // 4)
+        for h in (heads, max(1, heads // 4), max(1, heads // 4))
     ]
     outs = [new_output(output_shape(x.shape, world, True), True, x) for x in xs]
     _, image_bytes = image_layout([o.shape for o in outs], DTYPE.itemsize)
@@ -212,7 +212,8 @@ def attention_rows(seq: int, heads: int, world: int, rank: int, iters: int) -> l
     local = seq // world
     torch.manual_seed(rank)
     base = [
-        torch.randn(1, local, h, DIM, device="cuda", dtype=DTYPE) for h in (heads, heads // 4, heads // 4)
+        torch.randn(1, local, h, DIM, device="cuda", dtype=DTYPE)
+        for h in (heads, max(1, heads // 4), max(1, heads // 4))
     ]
     leaves = [b.requires_grad_() for b in base]
     grad = torch.randn(1, heads, local, DIM, device="cuda", dtype=DTYPE)
@@ -248,10 +249,10 @@ def attention_rows(seq: int, heads: int, world: int, rank: int, iters: int) -> l
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seqs", type=int, nargs="+", default=[32768, 131072])
-    p.add_argument("--heads", type=int, nargs="+", default=[32, 8])
-    p.add_argument("--attention-seq", type=int, default=32768)
-    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--seqs", type=positive, nargs="+", default=[32768, 131072])
+    p.add_argument("--heads", type=positive, nargs="+", default=[32, 8])
+    p.add_argument("--attention-seq", type=positive, default=32768)
+    p.add_argument("--iters", type=positive, default=30)
     args = p.parse_args()
 
     init_gpu_ranks()

@@ -1,4 +1,4 @@
-"""FP8 decode kernels beside their stock peers, timed as CUDA-graph replays on one GPU.
+r"""FP8 decode kernels beside their stock peers, timed as CUDA-graph replays on one GPU.
 
     python -m benchmarks.bench_fp8              # norm, SwiGLU and GEMM tables
     python -m benchmarks.bench_fp8 --only untuned   # the GEMM on its rule for untuned shapes

@@ -20,6 +20,7 @@ before the next call may start) are the same for every kernel.
 
 from __future__ import annotations
 
+import argparse
 import itertools
 from collections.abc import Callable
 from functools import partial
@@ -152,6 +153,9 @@ def result(op: str, shape: str, nbytes: int, floor: Floor, ours_us: float) -> di
 
 
 def main() -> None:
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()  # no options: --help, and a clear error for any argument
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
         raise SystemExit("bench_fp8_floors.py needs a Hopper (or newer) GPU: its kernels launch with PDL")
     rows_out = []

@@ -25,7 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import init_gpu_ranks, time_ranks_interleaved, write_results
+from benchmarks.common import init_gpu_ranks, positive, time_ranks_interleaved, write_results
 from kernels.symm_mem import get_symm_buffer
 
 COLS = 128  # bf16 elements a row: 256 bytes, a head of Llama's attention
@@ -76,8 +76,8 @@ def _tma_push(src_desc, d0, d1, d2, d3, d4, d5, d6, rows, row0, PEERS: tl.conste
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--mib-per-peer", type=int, default=16)
-    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--mib-per-peer", type=positive, default=16)
+    parser.add_argument("--iters", type=positive, default=10)
     args = parser.parse_args()
 
     group = init_gpu_ranks()

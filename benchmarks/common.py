@@ -11,6 +11,7 @@ import functools
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -108,11 +109,34 @@ def refuse_shared_gpu() -> None:
         )
 
 
+def positive(text: str) -> int:
+    """An argparse type: a count or size of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def model_preset(text: str) -> str:
+    """An argparse type: the name of a model preset of configs/model/."""
+    presets = sorted(
+        p.stem for p in (Path(__file__).resolve().parent.parent / "configs" / "model").glob("*.yaml")
+    )
+    if text not in presets:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a model preset: one of {', '.join(presets)}")
+    return text
+
+
 def init_gpu_ranks() -> dist.ProcessGroup:
     """Under torchrun: this rank on the GPU of its LOCAL_RANK, an NCCL process group, and symmetric
     memory enabled on it (PyTorch's fused ops need that on torch 2.11). Returns the world group."""
     from kernels.symm_mem import enable_symm_mem
 
+    if "RANK" not in os.environ or not torch.cuda.is_available():
+        raise SystemExit(
+            "this benchmark runs one rank per GPU under torchrun: torchrun --nproc_per_node=GPUS -m "
+            f"benchmarks.{Path(sys.argv[0]).stem} (CUDA GPUs here: {torch.cuda.device_count()})"
+        )
     refuse_shared_gpu()
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)
@@ -232,10 +256,10 @@ def write_results(
 def add_decode_shape_args(parser: argparse.ArgumentParser, batch_sizes: list[int]) -> None:
     """The decode benchmarks' shared options: model preset, batch sizes, prompt length and decode steps
     (the cache holds prompt + steps positions, so that their rooflines agree)."""
-    parser.add_argument("--model", default="llama3_8b")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=batch_sizes)
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--decode-steps", type=int, default=128, help="cache = prompt + this")
+    parser.add_argument("--model", type=model_preset, default="llama3_8b")
+    parser.add_argument("--batch-sizes", type=positive, nargs="+", default=batch_sizes)
+    parser.add_argument("--prompt-len", type=positive, default=512)
+    parser.add_argument("--decode-steps", type=positive, default=128, help="cache = prompt + this")
 
 
 def preset_args(preset: str) -> ModelArgs:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from benchmarks.common import (
     LEAD_CYCLES,
     init_gpu_ranks,
+    positive,
     time_ranks_interleaved,
     warm_lead,
     write_results,
@@ -172,6 +173,15 @@ def measure_alone(
     return rows[0], rows[1:]
 
 
+def shape_arg(text: str) -> tuple[int, int, int]:
+    """An argparse type: "M,K,N", three positive integers."""
+    values = text.split(",")
+    if len(values) != 3 or not all(v.isdigit() and int(v) > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a shape M,K,N such as 8192,4096,7168")
+    m, k, n = map(int, values)
+    return m, k, n
+
+
 def main_alone(
     name: str, args: argparse.Namespace, make_alone: Callable[..., AloneCase], sweep: Sequence[Any]
 ) -> None:
@@ -181,8 +191,7 @@ def main_alone(
     if not 0 <= args.rank < args.world:
         raise SystemExit(f"--rank {args.rank} is not a rank of --world {args.world}")
     rows, sweep_rows = [], []
-    for spec in args.shapes:
-        m, k, n = (int(v) for v in spec.split(","))
+    for m, k, n in args.shapes:
         if m % args.world:
             raise SystemExit(f"M={m} does not split over --world {args.world} ranks")
         row, swept = measure_alone(m, k, n, make_alone(m, k, n, args.world, args.rank), args.iters, sweep)
@@ -309,9 +318,9 @@ def main(
     """Parse the shared options, run every shape on every rank, and let rank 0 write
     `<name>-<device>` (and `<name>_sweep-<device>` with --sweep); with --gemm-alone, `main_alone`."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--shapes", nargs="*", default=[",".join(map(str, s)) for s in shapes], help="M,K,N ...")
-    p.add_argument("--reps", type=int, default=3, help="back-to-back calls per timed sample")
-    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--shapes", type=shape_arg, nargs="*", default=list(shapes), help="M,K,N ...")
+    p.add_argument("--reps", type=positive, default=3, help="back-to-back calls per timed sample")
+    p.add_argument("--iters", type=positive, default=15)
     p.add_argument("--sweep", action="store_true", help="also time every GEMM config of the sweep")
     p.add_argument(
         "--timeline",
@@ -323,7 +332,7 @@ def main(
         action="store_true",
         help="one GPU, no torchrun: our GEMM with the communication taken out against cuBLAS",
     )
-    p.add_argument("--world", type=int, default=4, help="--gemm-alone: the ranks whose call is timed")
+    p.add_argument("--world", type=positive, default=4, help="--gemm-alone: the ranks whose call is timed")
     p.add_argument("--rank", type=int, default=0, help="--gemm-alone: the rank whose call is timed")
     args = p.parse_args()
     if args.gemm_alone:
@@ -333,8 +342,7 @@ def main(
     group = init_gpu_ranks()
     world = dist.get_world_size()
     rows, sweep_rows, timeline_rows = [], [], []
-    for spec in args.shapes:
-        m, k, n = (int(v) for v in spec.split(","))
+    for m, k, n in args.shapes:
         if m % world:
             raise SystemExit(f"M={m} does not split over {world} ranks")
         # Correctness first (in make_case): a wrong kernel's timing is meaningless.

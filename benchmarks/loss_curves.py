@@ -95,7 +95,11 @@ def main() -> None:
     name = f"{dim}_loss_curves"
     tag = opts.tag or (device_name(max(degrees)) if opts.device == "cuda" else "cpu")
     if opts.replot:
-        data = json.loads((RESULTS_DIR / f"{name}-{tag}.json").read_text())
+        source = RESULTS_DIR / f"{name}-{tag}.json"
+        if not source.is_file():
+            found = ", ".join(sorted(p.name for p in RESULTS_DIR.glob("*_loss_curves-*.json")))
+            parser.error(f"--replot: no {source.name} (give --dim and --tag of one of: {found})")
+        data = json.loads(source.read_text())
         print(plot(dim, {int(d): [tuple(p) for p in c] for d, c in data["curves"].items()}, tag))
         return
 

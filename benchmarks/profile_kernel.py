@@ -1,4 +1,4 @@
-"""One of weft's kernels called a few times on fresh random operands, for a profiler to catch.
+r"""One of weft's kernels called a few times on fresh random operands, for a profiler to catch.
 
     S="--clock-control none --section SpeedOfLight --section WarpStateStats --section SchedulerStats
        --section Occupancy --section LaunchStats"
@@ -32,17 +32,11 @@ import argparse
 import torch
 
 from benchmarks.bench_decode_attention import operand_sets
+from benchmarks.common import positive
 from kernels import decode_attention as da
 from kernels import matmul_rs as mrs
 from kernels.fp8 import INTERPRETED, quantize_per_token, quantize_weight_per_channel
 from kernels.fp8_gemm import skinny_fp8_gemm
-
-
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
-    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -119,7 +113,10 @@ def main(argv: list[str] | None = None) -> torch.Tensor:
         )
     device = torch.device(args.device)
     torch.manual_seed(0)
-    out = KERNELS[args.kernel](args, device)
+    try:
+        out = KERNELS[args.kernel](args, device)
+    except ValueError as err:  # the kernels' own checks of a shape or layout they do not take
+        raise SystemExit(f"{args.kernel}: {err}") from None
     if device.type == "cuda":
         torch.cuda.synchronize()
     print(f"{args.kernel}: {args.calls} calls, output {tuple(out.shape)} {out.dtype}", flush=True)

@@ -205,7 +205,6 @@ def test_interleaved_timing_rotates_the_order_and_times_each_call(monkeypatch: p
     reps, iters = 3, 4
     times = common.time_ranks_interleaved({"a": call("a", 2.0), "b": call("b", 0.5)}, iters, reps)
     assert times["a"].gpu_ms == pytest.approx(2.0) and times["b"].gpu_ms == pytest.approx(0.5)
-    assert times["a"].host_ms >= 0 and times["b"].host_ms >= 0
     timed = order[2 * 2 * reps :]  # after the warm-up: two rounds of `reps` calls of each
     # Every call's `reps` back-to-back calls follow an alignment of the ranks, and nothing else does.
     runs = "".join(timed).split("|")

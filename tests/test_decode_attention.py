@@ -42,20 +42,24 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tensors the op allocates per call start as NaN (floats) or a large count (integers), so an output
     or partial result never written fails the test. (Its arrival counts live in a persistent
-    workspace: test_second_call_finds_the_counts_rearmed.)"""
-    real_empty = torch.empty
+    workspace: test_second_call_finds_the_counts_rearmed.) torch.empty, empty_like and new_empty alike."""
 
-    def empty(*args, **kwargs):
-        tensor = real_empty(*args, **kwargs)
-        if tensor.dtype == torch.float8_e4m3fn:
-            tensor.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
-        elif tensor.is_floating_point():
-            tensor.fill_(float("nan"))
-        else:
-            tensor.fill_(12345)
-        return tensor
+    def poisoning(allocate):
+        def poisoned_allocate(*args, **kwargs):
+            tensor = allocate(*args, **kwargs)
+            if tensor.dtype == torch.float8_e4m3fn:
+                tensor.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
+            elif tensor.is_floating_point():
+                tensor.fill_(float("nan"))
+            else:
+                tensor.fill_(12345)
+            return tensor
 
-    monkeypatch.setattr(torch, "empty", empty)
+        return poisoned_allocate
+
+    monkeypatch.setattr(torch, "empty", poisoning(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poisoning(torch.empty_like))
+    monkeypatch.setattr(torch.Tensor, "new_empty", poisoning(torch.Tensor.new_empty))
 
 
 @pytest.fixture(params=["default", "small"])

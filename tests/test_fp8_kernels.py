@@ -42,16 +42,21 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.fixture
 def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Outputs the kernels allocate start as NaN, so an element they never write fails the test."""
-    real_empty = torch.empty
+    """Outputs the kernels allocate (torch.empty, empty_like, new_empty) start as NaN, so an element
+    they never write fails the test."""
 
-    def empty(*args, **kwargs):
-        tensor = real_empty(*args, **kwargs)
-        if tensor.is_floating_point():
-            tensor.fill_(float("nan"))
-        return tensor
+    def poisoning(allocate):
+        def poisoned_allocate(*args, **kwargs):
+            tensor = allocate(*args, **kwargs)
+            if tensor.is_floating_point():
+                tensor.fill_(float("nan"))
+            return tensor
 
-    monkeypatch.setattr(torch, "empty", empty)
+        return poisoned_allocate
+
+    monkeypatch.setattr(torch, "empty", poisoning(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poisoning(torch.empty_like))
+    monkeypatch.setattr(torch.Tensor, "new_empty", poisoning(torch.Tensor.new_empty))
 
 
 def bf16(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -119,8 +124,10 @@ def test_swiglu(poisoned: None, rows: int, hidden: int, mode: str) -> None:
     assert rel_err(dequantize(q, scales), dequantize(ref_q, ref_scales)) < 2e-2
 
 
-def test_quantize_per_token(poisoned: None) -> None:
-    x = bf16(5, 777, scale=4.0)
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("k", [64, 777, 4096])
+def test_quantize_per_token(poisoned: None, rows: int, k: int) -> None:
+    x = bf16(rows, k, scale=4.0)
     q, scales = quantize_per_token(x)
     ref_scales = quantize_reference(x)[1]
     torch.testing.assert_close(scales, ref_scales, rtol=1e-5, atol=0)
@@ -507,7 +514,9 @@ def test_row_kernels_realistic(poisoned: None, monkeypatch: pytest.MonkeyPatch, 
 
 
 @pytest.mark.gpu
-def test_split_k_workspace_is_not_grown_inside_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_split_k_workspace_is_not_grown_inside_capture(
+    poisoned: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(gemm_module, "_WORKSPACES", {})
     a, a_scale = quantize_per_token(bf16(16, 4096))
     b, b_scale = quantize_weight_per_channel(bf16(512, 4096))
@@ -523,7 +532,9 @@ def test_split_k_workspace_is_not_grown_inside_capture(monkeypatch: pytest.Monke
 @pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("m", [1, 8, 16, 64, 100])
 @pytest.mark.parametrize(("n", "k"), [(2304, 16384), (6144, 4096), (4096, 14336), (1000, 3000)])
-def test_gemm_realistic(monkeypatch: pytest.MonkeyPatch, pdl: bool, m: int, n: int, k: int) -> None:
+def test_gemm_realistic(
+    poisoned: None, monkeypatch: pytest.MonkeyPatch, pdl: bool, m: int, n: int, k: int
+) -> None:
     from kernels import fp8
 
     monkeypatch.setattr(fp8, "USE_PDL", pdl)
@@ -542,7 +553,7 @@ def test_gemm_realistic(monkeypatch: pytest.MonkeyPatch, pdl: bool, m: int, n: i
     ("n", "k", "groups"),
     [(4096, 4096, 8), (8192, 8192, 8), (4096, 2048, 4), (8192, 1024, 1)],  # wo: 8B, 70B, 8B tp 2, 70B tp 8
 )
-def test_gemm_group_scales_realistic(m: int, n: int, k: int, groups: int) -> None:
+def test_gemm_group_scales_realistic(poisoned: None, m: int, n: int, k: int, groups: int) -> None:
     """wo's GEMM on the decode attention's output, scaled per token and kv head ([M, groups]), at
     Llama-3 shapes in a CUDA graph: the tuned configs' tiles inside the groups, and past M = 64 the
     re-quantized stock path."""
@@ -558,7 +569,9 @@ def test_gemm_group_scales_realistic(m: int, n: int, k: int, groups: int) -> Non
 @pytest.mark.parametrize("pdl", [True, False])
 @pytest.mark.parametrize("m", [1, 8, 16, 64, 100])
 @pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (28672, 4096), (1000, 3000)])
-def test_bf16_gemm_realistic(monkeypatch: pytest.MonkeyPatch, pdl: bool, m: int, n: int, k: int) -> None:
+def test_bf16_gemm_realistic(
+    poisoned: None, monkeypatch: pytest.MonkeyPatch, pdl: bool, m: int, n: int, k: int
+) -> None:
     """bf16_gemm at Llama-3-8B decode shapes (and a ragged one) in a CUDA graph, the skinny kernel up
     to M = 64 and F.linear beyond."""
     from kernels import fp8

@@ -32,6 +32,8 @@ def test_fp8_model_tracks_bf16(tie: bool) -> None:
     tokens = torch.randint(0, 160, (2, 12), device=DEVICE)
     model.setup_caches(2, 16)
     expected = prefill(model, tokens).float()
+    with torch.no_grad():
+        expected_step = model(tokens[:, -1:], torch.tensor([12], device=DEVICE))[:, -1].float()
     model.clear_caches()
 
     args.fp8 = True
@@ -39,10 +41,12 @@ def test_fp8_model_tracks_bf16(tie: bool) -> None:
     assert all(isinstance(layer, DecodeBlock) and isinstance(layer.qkv, Fp8Weight) for layer in model.layers)
     model.setup_caches(2, 16)
     got = prefill(model, tokens).float()
-    step = model(tokens[:, -1:], torch.tensor([12], device=DEVICE))[:, -1].float()
-    assert torch.isfinite(step).all()
-    rel = ((got - expected).norm() / expected.norm()).item()
-    assert rel < 0.08, rel  # e4m3 keeps 3 mantissa bits: a few percent, not more
+    with torch.no_grad():
+        step = model(tokens[:, -1:], torch.tensor([12], device=DEVICE))[:, -1].float()
+    # e4m3 keeps 3 mantissa bits: a few percent, not more, in the prefill and in a step over the cache.
+    for ours, bf16 in ((got, expected), (step, expected_step)):
+        rel = ((ours - bf16).norm() / bf16.norm()).item()
+        assert rel < 0.08, rel
 
 
 def test_compiled_fp8_decode_step_matches_eager() -> None:
@@ -63,9 +67,15 @@ def test_compiled_fp8_decode_step_matches_eager() -> None:
 
 
 def test_fp8_needs_a_gpu_with_fp8() -> None:
-    if DEVICE == "cpu":
-        with pytest.raises(ValueError, match="CUDA"):
-            check_fp8_device(torch.device("cpu"))
+    with pytest.raises(ValueError, match="CUDA GPUs only"):
+        check_fp8_device(torch.device("cpu"))
+    if torch.cuda.is_available():
+        gpu = torch.device("cuda")
+        if torch.cuda.get_device_capability(gpu) >= (8, 9):
+            check_fp8_device(gpu)
+        else:
+            with pytest.raises(ValueError, match="has no FP8 tensor cores"):
+                check_fp8_device(gpu)
 
 
 def _tp_fp8_tracks_bf16(rank: int, world: int) -> None:

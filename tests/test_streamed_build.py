@@ -208,6 +208,7 @@ def fp8_gpu() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not fp8_gpu(), reason="needs a CUDA GPU with FP8 (compute capability 8.9+)")
 def test_streamed_fp8_build_peaks_at_the_estimate_on_a_gpu() -> None:
     """On a GPU the streamed build's peak allocation stays within the estimate's loading peak (FP8
