@@ -17,6 +17,7 @@ enters -> SymmMemTimeout naming it.
 
 import ctypes
 import dataclasses
+import functools
 import math
 
 import pytest
@@ -423,15 +424,16 @@ def _weights(k: int, ns: list[int], kn: bool, dev) -> list[torch.Tensor]:
     return [(torch.randn(n, k, device=dev, dtype=torch.bfloat16) / math.sqrt(k)).t() for n in ns]
 
 
-def _poisoned_call(shard, bs, dim):
-    """The op, after NaN-filling and freeing blocks of its outputs' sizes: the caching allocator hands
-    those blocks to the op's outputs, so an element the kernel misses stays NaN."""
+def _poisoned_call(shard, bs, dim, op=None):
+    """The op (default: the entry point), after NaN-filling and freeing blocks of its outputs' sizes:
+    the caching allocator hands those blocks to the op's outputs, so an element the kernel misses
+    stays NaN."""
     shape = list(shard.shape)
     shape[dim] *= dist.get_world_size()
     sizes = [shape] + [[*shape[:-1], b.shape[1]] for b in bs]
     junk = [torch.full(s, float("nan"), device=shard.device, dtype=shard.dtype) for s in sizes]
     del junk
-    return ag.all_gather_matmul(shard, bs, dim)
+    return (op or ag.all_gather_matmul)(shard, bs, dim)
 
 
 def _correctness(rank: int, world: int) -> None:
@@ -454,7 +456,8 @@ def _correctness(rank: int, world: int) -> None:
         shard = torch.randn(shape, device=dev, dtype=torch.bfloat16)
         torch.manual_seed(1)
         bs = _weights(shape[-1], ns, kn, dev)
-        a, outs = ag.all_gather_matmul_kernel(shard, bs, dim, dist.group.WORLD, config=flat)
+        flat_op = functools.partial(ag.all_gather_matmul_kernel, group=dist.group.WORLD, config=flat)
+        a, outs = _poisoned_call(shard, bs, dim, flat_op)
         torch.cuda.synchronize()
         ag.check()
         _check(a, outs, *_reference(shard, bs, dim), f"rank {rank} flatten {shape} dim={dim} N={ns}")

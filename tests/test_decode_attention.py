@@ -62,6 +62,17 @@ def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.Tensor, "new_empty", poisoning(torch.Tensor.new_empty))
 
 
+def poison(out: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> None:
+    """NaN into a captured call's outputs before a replay, so that one the replay misses fails."""
+    values, scales = out if isinstance(out, tuple) else (out, None)
+    if values.dtype == torch.float8_e4m3fn:
+        values.view(torch.uint8).fill_(0x7F)  # e4m3 NaN
+    else:
+        values.fill_(float("nan"))
+    if scales is not None:
+        scales.fill_(float("nan"))
+
+
 @pytest.fixture(params=["default", "small"])
 def tiles(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """The launch's own tile and split sizes, or small ones: at this test's cache lengths the latter
@@ -379,6 +390,7 @@ def test_cuda_graph_replays_follow_the_position(fp8: bool) -> None:
         for t in (q, k, v):
             t.copy_(torch.randn_like(t, dtype=torch.float32))
         pos.fill_(position)
+        poison(out)
         graph.replay()
         ref = decode_attention_reference(q, k, v, rope, pos, ref_k, ref_v, fp8=fp8)
         assert_cache_equal(k_cache, ref_k)
@@ -403,6 +415,7 @@ def test_arrival_counts_are_not_grown_inside_capture(monkeypatch: pytest.MonkeyP
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = decode_attention(q, k, v, rope, pos, k_cache, v_cache)
+    poison(out)
     graph.replay()
     assert rel_err(out, ref) < 1e-2
 
