@@ -61,7 +61,7 @@ class TrainingConfig:
 @dataclass
 class DataConfig:
     # None: Python's own documentation topics (shipped with Python). Else a .jsonl file (a document per
-    # line), any other file (one text document) or a directory (its .jsonl, .txt, .md, .rst, .py, .text).
+    # line), a UTF-8 text file (.txt, .md, .rst, .py, .text: one document) or a directory of such files.
     path: str | None = None
     # Field holding the text in each line of a .jsonl file.
     jsonl_field: str = "text"
