@@ -81,15 +81,15 @@ class ModelArgs:
         """Parameters of the model (a tied output projection counted once)."""
         embed = self.vocab_size * self.dim
         output = 0 if self.tie_embeddings else embed
-        return self.n_layers * (self._layer_matmul_params() + 2 * self.dim) + self.dim + embed + output
+        return self.n_layers * (self.layer_matmul_params() + 2 * self.dim) + self.dim + embed + output
 
     def training_flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs per trained token (forward + backward), as in the PaLM paper's MFU: 6 per weight
         of every matmul (the output projection included, the embedding lookup not) plus causal
         attention's score and value matmuls (12 * layers * dim * seq, halved by the mask)."""
-        matmul_params = self.n_layers * self._layer_matmul_params() + self.vocab_size * self.dim
+        matmul_params = self.n_layers * self.layer_matmul_params() + self.vocab_size * self.dim
         return 6 * matmul_params + 6 * self.n_layers * self.dim * seq_len
 
-    def _layer_matmul_params(self) -> int:
+    def layer_matmul_params(self) -> int:
         attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         return attention + 3 * self.dim * self.ffn_hidden

@@ -100,9 +100,9 @@ def serving_memory(
     norms = (2 * args.n_layers + 1) * args.dim
     # One byte per linear weight (a tied output projection gets an FP8 copy of the embedding); the
     # embedding and the norms stay in `dtype`.
-    linear = args.n_layers * args._layer_matmul_params() / tp + embedding
+    linear = args.n_layers * args.layer_matmul_params() / tp + embedding
     weights = linear + element * (embedding + norms)
-    block = args._layer_matmul_params() / tp + 2 * args.dim
+    block = args.layer_matmul_params() / tp + 2 * args.dim
     drawn_in_full = table if tp > 1 else 0
     # The largest weight quantized at once: [w1|w3], [wq|wk|wv] or the output projection.
     largest = max(2 * args.ffn_hidden, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, args.vocab_size)

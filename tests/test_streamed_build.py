@@ -80,7 +80,7 @@ def one_block_at_a_time(held: list[int], args: ModelArgs) -> None:
     """When block i is converted the model holds, in bf16, the embedding, the norms of the blocks before
     it (their linear weights are FP8 buffers by then) and block i: never the other blocks."""
     embedding = 2 * args.vocab_size * args.dim
-    block = 2 * (args._layer_matmul_params() + 2 * args.dim)
+    block = 2 * (args.layer_matmul_params() + 2 * args.dim)
     assert held == [embedding + block + i * 2 * 2 * args.dim for i in range(args.n_layers)]
 
 
