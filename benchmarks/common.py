@@ -238,17 +238,20 @@ def write_results(
     name: str, rows: Sequence[dict[str, object]], notes: str = "", device: str | None = None
 ) -> Path:
     """Write `<name>-<device>.json` and `.md` under benchmarks/results/ and print the table.
-    Returns the markdown path."""
+    The sections a person added below an earlier table (its `## ` headings on: what was tried, what
+    the profile shows) are kept below the new one. Returns the markdown path."""
     tag = device or device_name()
     env = environment()
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     stem = RESULTS_DIR / f"{name}-{tag}"
+    earlier = stem.with_suffix(".md").read_text() if stem.with_suffix(".md").is_file() else ""
+    kept = earlier[earlier.find("\n## ") :] if "\n## " in earlier else ""
     stem.with_suffix(".json").write_text(
         json.dumps({"name": name, **env, "notes": notes, "rows": list(rows)}, indent=2)
     )
     header = f"# {name} on {env['device']}\n\n" + ", ".join(f"{k} {v}" for k, v in env.items()) + "\n\n"
     table = markdown_table(rows)
-    stem.with_suffix(".md").write_text(header + (notes + "\n\n" if notes else "") + table)
+    stem.with_suffix(".md").write_text(header + (notes + "\n\n" if notes else "") + table + kept)
     print(table)
     return stem.with_suffix(".md")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import bench_decode_attention, tune_decode
+from benchmarks import bench_decode_attention, common, tune_decode
 from benchmarks.bench_fp8 import shape_arg
 from kernels.fp8_gemm import GemmConfig
 from model.decode import Bf16Weight
@@ -174,8 +174,6 @@ def test_train_tp_compares_each_path_with_the_first() -> None:
 def test_interleaved_timing_rotates_the_order_and_times_each_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """time_ranks_interleaved (the GEMM + collective benchmarks' timing) on a fake GPU clock: each
     call's GPU time per call, every round's calls in an order rotated from the last's."""
-    from benchmarks import common
-
     clock, order = [0.0], []
 
     class FakeEvent:
@@ -300,3 +298,17 @@ def test_profile_kernel_needs_the_interpreter_on_the_cpu(monkeypatch: pytest.Mon
     monkeypatch.setattr(profile_kernel, "INTERPRETED", False)
     with pytest.raises(SystemExit, match="TRITON_INTERPRET=1"):
         profile_kernel.main(["--device", "cpu", "attention"])
+
+
+def test_a_rerun_keeps_the_sections_added_below_the_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Re-running a benchmark rewrites its table and keeps what was written below it (tried / won /
+    lost, profiles): the research record outlives the figures it started from."""
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    path = common.write_results("bench", [{"shape": "a", "us": 1.0}], "notes", device="cpu")
+    path.write_text(path.read_text() + "\n## Tried / won / lost\n\nA lost, by 3%.\n")
+    common.write_results("bench", [{"shape": "a", "us": 2.0}], "notes", device="cpu")
+    text = path.read_text()
+    assert "| a | 2 |" in text and "| a | 1 |" not in text
+    assert text.endswith("| a | 2 |\n\n## Tried / won / lost\n\nA lost, by 3%.\n")
