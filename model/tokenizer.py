@@ -1,7 +1,7 @@
 """Tokenizers: UTF-8 bytes for the built-in default, and `tokenizer.json` (through the `tokenizers`
-library) for Hugging Face checkpoints. Both expose encode / encode_prompt / decode / vocab_size /
-bos_id / eos_id: `encode` builds training documents, `encode_prompt` the ids transformers' tokenizer
-gives a prompt."""
+library) for Hugging Face checkpoints. Both expose encode / encode_batch / encode_prompt / decode /
+vocab_size / bos_id / eos_id: `encode_batch` (`encode`, one text) builds training documents,
+`encode_prompt` the ids transformers' tokenizer gives a prompt."""
 
 from __future__ import annotations
 
