@@ -17,6 +17,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels.symm_mem import sm_count
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 # Triton 3.6's interpreter casts fp32 to bf16 by truncation and to fp8 without carrying a rounded-up
@@ -41,11 +43,6 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-@cache
-def sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def pdl_for(device: torch.device) -> bool:
     """Whether kernels on `device` launch with PDL (USE_PDL, compiled, compute capability >= 9.0)."""
     if not USE_PDL or INTERPRETED or device.type != "cuda":
@@ -62,7 +59,7 @@ def programs_cap(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (persistent grids); a small number elsewhere."""
     if device.type != "cuda":
         return 4
-    return sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return sm_count(device)
 
 
 @triton.jit

@@ -134,6 +134,12 @@ def validate_decode_graphs(dims: ParallelDims, cuda_graphs: bool) -> None:
         )
 
 
+def tensor_parallel_ops(sequence_parallel: bool) -> list[str]:
+    """The dispatched ops tensor parallelism calls: AG-matmul and matmul-RS in training (sequence
+    parallel), the all-reduce in decode."""
+    return ["all_gather_matmul", "matmul_reduce_scatter"] if sequence_parallel else ["all_reduce"]
+
+
 def validate_comm_ops(dims: ParallelDims, training: bool) -> None:
     """The comm path must implement every op the layout calls (triton: its kernels must exist):
     training with tp > 1 calls AG-matmul and matmul-RS, decode with tp > 1 the all-reduce, Ulysses
@@ -142,7 +148,7 @@ def validate_comm_ops(dims: ParallelDims, training: bool) -> None:
     from parallel.ulysses import ULYSSES_OPS
 
     if dims.tp > 1:
-        check_ops(dims.comm, ["all_gather_matmul", "matmul_reduce_scatter"] if training else ["all_reduce"])
+        check_ops(dims.comm, tensor_parallel_ops(sequence_parallel=training))
     if dims.cp > 1 and training:
         check_ops(dims.comm, ULYSSES_OPS)
 

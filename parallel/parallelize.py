@@ -36,7 +36,7 @@ from parallel.layers import (
     VocabParallelEmbedding,
     VocabParallelOutput,
 )
-from parallel.mesh import data_parallel_mesh
+from parallel.mesh import data_parallel_mesh, tensor_parallel_ops
 
 
 @dataclass
@@ -85,11 +85,6 @@ class ParallelState:
 def _shard(param: nn.Parameter, dim: int, tp: int, rank: int) -> nn.Parameter:
     size = param.shape[dim] // tp
     return nn.Parameter(param.detach().narrow(dim, rank * size, size).clone(), param.requires_grad)
-
-
-def required_ops(cfg: ParallelizeConfig) -> list[str]:
-    """The dispatched ops tensor parallelism calls (checked against the comm path before any work)."""
-    return ["all_gather_matmul", "matmul_reduce_scatter"] if cfg.sequence_parallel else ["all_reduce"]
 
 
 def apply_tensor_parallel(
@@ -184,7 +179,7 @@ def parallelize_llama(model: Llama, mesh: DeviceMesh, cfg: ParallelizeConfig | N
     tp, cp = mesh["tp"].size(), mesh["cp"].size()
     tp_ctx, shard_dims = None, {}
     if tp > 1:
-        comm = make_comm(cfg.comm, mesh["tp"].get_group(), require=required_ops(cfg))
+        comm = make_comm(cfg.comm, mesh["tp"].get_group(), require=tensor_parallel_ops(cfg.sequence_parallel))
         tp_ctx, shard_dims = apply_tensor_parallel(model, comm, cfg)
     elif cfg.comm != "torch":
         make_comm(cfg.comm, mesh["tp"].get_group())  # device checks even when tp = 1
