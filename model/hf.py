@@ -99,6 +99,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         raise ValueError(
             f"rope_scaling type {kind!r} is not supported: weft knows plain RoPE and llama3 scaling"
         )
+    # Keys a config.json may leave out take transformers' LlamaConfig defaults, which it would run with.
     return ModelArgs(
         name="hf",
         dim=dim,
@@ -107,7 +108,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         n_kv_heads=kv_heads,
         vocab_size=cfg["vocab_size"],
         ffn_hidden=cfg["intermediate_size"],
-        norm_eps=cfg.get("rms_norm_eps", 1e-5),
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
         rope_theta=theta,
         rope_scaling=scaling,
         max_seq_len=cfg.get("max_position_embeddings", 2048),

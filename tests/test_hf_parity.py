@@ -126,6 +126,21 @@ def test_tied_hf_model_matches_transformers(tmp_path: Path) -> None:
         assert (model(tokens) - reference(tokens).logits).abs().max().item() <= 1e-4
 
 
+def test_config_without_optional_keys_runs_as_transformers_runs_it(tmp_path: Path) -> None:
+    """Keys a config.json may leave out take LlamaConfig's defaults (rms_norm_eps 1e-6, not 1e-5)."""
+    hf_model(rms_norm_eps=1e-6).save_pretrained(tmp_path, safe_serialization=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    optional = ("rms_norm_eps", "rope_parameters", "max_position_embeddings", "tie_word_embeddings")
+    for key in optional:
+        del config[key]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    model = weft_from_dir(tmp_path)
+    tokens = torch.randint(0, 300, (2, 24))
+    with torch.no_grad():
+        assert (model(tokens) - reference.eval()(tokens).logits).abs().max().item() <= 1e-4
+
+
 def test_sharded_export_of_a_state_dict_round_trips(tmp_path: Path) -> None:
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=120, ffn_hidden=160)
     model = Llama(args)
