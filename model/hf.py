@@ -190,8 +190,18 @@ def open_hf_checkpoint(path: str | Path) -> tuple[ModelArgs, LazyTensors]:
             f"{path} holds tensors a Llama does not have ({', '.join(sorted(unknown)[:4])}): "
             "is this a plain Llama checkpoint?"
         )
+    if args.tie_embeddings and {"output.weight", "tok_embeddings.weight"} <= sources.keys():
+        # Some tied checkpoints store lm_head anyway: a copy of the embedding is dropped. One that
+        # differs, transformers 5 runs untied and transformers 4 tied: which was meant is unknown.
+        pair = LazyTensors({name: sources[name] for name in ("output.weight", "tok_embeddings.weight")})
+        if not torch.equal(pair.read("output.weight"), pair.read("tok_embeddings.weight")):
+            raise ValueError(
+                f"{path}'s config.json sets tie_word_embeddings, but its lm_head.weight differs from "
+                "model.embed_tokens.weight: set tie_word_embeddings to false in config.json to run "
+                "lm_head.weight (as transformers 5 does), or delete lm_head.weight to run the embedding"
+            )
     if args.tie_embeddings:
-        sources.pop("output.weight", None)  # some tied checkpoints store lm_head anyway
+        sources.pop("output.weight", None)
     transforms = {}
     for i in range(args.n_layers):
         transforms[f"layers.{i}.attention.wq.weight"] = lambda w: rotate_half_to_interleaved(w, args.n_heads)

@@ -126,6 +126,23 @@ def test_tied_hf_model_matches_transformers(tmp_path: Path) -> None:
         assert (model(tokens) - reference(tokens).logits).abs().max().item() <= 1e-4
 
 
+def test_tied_hf_model_with_a_stored_lm_head(tmp_path: Path) -> None:
+    """A tied checkpoint may store lm_head too: a copy of the embedding loads; one that differs (which
+    transformers 5 runs untied, transformers 4 tied) is refused."""
+    hf_model(tie_word_embeddings=True).save_pretrained(tmp_path, safe_serialization=True)
+    from safetensors.torch import load_file, save_file
+
+    file = tmp_path / "model.safetensors"
+    state = load_file(str(file))
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    save_file(state, str(file), metadata={"format": "pt"})
+    assert weft_from_dir(tmp_path).args.tie_embeddings
+    state["lm_head.weight"] = torch.randn_like(state["lm_head.weight"])
+    save_file(state, str(file), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"lm_head\.weight differs from model\.embed_tokens\.weight"):
+        weft_from_dir(tmp_path)
+
+
 def test_config_without_optional_keys_runs_as_transformers_runs_it(tmp_path: Path) -> None:
     """Keys a config.json may leave out take LlamaConfig's defaults (rms_norm_eps 1e-6, not 1e-5)."""
     hf_model(rms_norm_eps=1e-6).save_pretrained(tmp_path, safe_serialization=True)
