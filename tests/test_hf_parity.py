@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 transformers = pytest.importorskip("transformers")
 
@@ -130,8 +131,6 @@ def test_tied_hf_model_with_a_stored_lm_head(tmp_path: Path) -> None:
     """A tied checkpoint may store lm_head too: a copy of the embedding loads; one that differs (which
     transformers 5 runs untied, transformers 4 tied) is refused."""
     hf_model(tie_word_embeddings=True).save_pretrained(tmp_path, safe_serialization=True)
-    from safetensors.torch import load_file, save_file
-
     file = tmp_path / "model.safetensors"
     state = load_file(str(file))
     state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
@@ -249,8 +248,6 @@ def test_config_variants_and_unsupported_configs() -> None:
 
 def test_hf_directory_checks(tmp_path: Path) -> None:
     hf_model().save_pretrained(tmp_path / "hf", safe_serialization=True)
-    from safetensors.torch import load_file, save_file
-
     file = tmp_path / "hf" / "model.safetensors"
     state = load_file(str(file))
     state["model.layers.0.self_attn.q_proj.weight"] = state["model.layers.0.self_attn.q_proj.weight"][:8]
