@@ -357,6 +357,13 @@ def _check(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: tor
             f"of K): a_scale has {a_scale.numel()} for M={m}, b_scale has {b_scale.numel()} for "
             f"N={b.shape[0]}"
         )
+    # The kernel reads per-row scales at consecutive addresses: a strided view (a column of a wider
+    # tensor) would be read as other rows' scales.
+    if not (a_scale.is_contiguous() and b_scale.is_contiguous()):
+        raise ValueError(
+            f"fp8_gemm needs contiguous scales, got a_scale strides {a_scale.stride()} and b_scale "
+            f"strides {b_scale.stride()}: pass .contiguous() copies"
+        )
 
 
 def a_groups(a_scale: torch.Tensor) -> int:

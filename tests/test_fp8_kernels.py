@@ -457,6 +457,18 @@ def test_bad_inputs_fail_clearly() -> None:
         swiglu_fp8(bf16(2, 63), None)
 
 
+def test_strided_scales_are_refused() -> None:
+    """Per-row scales that are a column of a wider tensor: the kernel reads scales at consecutive
+    addresses, so it would take its neighbours' as this row's; refused rather than mis-scaled."""
+    a, a_scale = quantize_per_token(bf16(4, 64))
+    b, b_scale = quantize_weight_per_channel(bf16(32, 64))
+    wide_a = torch.stack([a_scale, torch.full_like(a_scale, 100.0)], dim=1)
+    wide_b = torch.stack([b_scale, torch.full_like(b_scale, 100.0)], dim=1)
+    for scales in ((wide_a[:, 0], b_scale), (a_scale, wide_b[:, 0]), (wide_a[:, :1], b_scale)):
+        with pytest.raises(ValueError, match="contiguous scales"):
+            fp8_gemm(a, scales[0], b, scales[1])
+
+
 # Realistic decode shapes on the GPU: one program per row and persistent launches, with and without
 # programmatic dependent launch, called back to back inside a CUDA graph (as served).
 
