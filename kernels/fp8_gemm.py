@@ -398,6 +398,10 @@ def _skinny_gemm(
     (m, k), n = a.shape, b.shape[0]
     if m > MAX_M:
         raise ValueError(f"the skinny GEMM handles M <= {MAX_M}, got M={m}: use fp8_gemm or bf16_gemm")
+    if m == 0:
+        # No rows: an empty per-token a_scale would be taken for a per-tensor one and read unmasked
+        # (a segfault in the interpreter, an illegal address on the GPU).
+        return torch.empty(0, n, dtype=torch.bfloat16, device=a.device)
     cfg = config or config_for(m, n, k, a.device, a.dtype)
     group = k // a_groups(a_scale) if a_scale is not None and a_groups(a_scale) > 1 else 0
     if group:

@@ -457,6 +457,16 @@ def test_bad_inputs_fail_clearly() -> None:
         swiglu_fp8(bf16(2, 63), None)
 
 
+def test_no_rows_give_an_empty_product() -> None:
+    """M = 0 (an empty batch) is an empty [0, N] product, not a crash: the empty per-token a_scale
+    once passed for a per-tensor one and was read."""
+    a, a_scale = quantize_per_token(bf16(4, 64))
+    b, b_scale = quantize_weight_per_channel(bf16(32, 64))
+    out = fp8_gemm(a[:0], a_scale[:0], b, b_scale)
+    assert out.shape == (0, 32) and out.dtype == torch.bfloat16
+    assert bf16_gemm(bf16(0, 64), bf16(32, 64)).shape == (0, 32)
+
+
 def test_strided_scales_are_refused() -> None:
     """Per-row scales that are a column of a wider tensor: the kernel reads scales at consecutive
     addresses, so it would take its neighbours' as this row's; refused rather than mis-scaled."""
