@@ -64,6 +64,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch
     world = dist.get_world_size(group)
     if world == 1:
         return x
+    dim = dim % x.dim()  # a negative dim would be counted again after the unflatten below
     if x.shape[dim] % world:
         raise ValueError(f"dimension {dim} of size {x.shape[dim]} does not split over {world} ranks")
     # [..., W * n, ...] -> [W, ..., n, ...] contiguous, so rank i's chunk is the i-th block.

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from kernels import matmul_rs as mrs
 from kernels.symm_mem import SymmMemTimeout
+from parallel.comm import TorchComm
 from tests.multiprocess import GPU_WORLDS, TIMEOUT_TEST_S, rank_gpu, run_ranks
 from tests.sm90 import compile_ptx, ptxas_log, run_without_interpreter, spill_stores
 
@@ -458,6 +459,10 @@ def _reference_on_rank(rank: int, world: int) -> None:
             dist.all_reduce(total)
             expect = total.chunk(world, dim=dim)[rank]
             torch.testing.assert_close(out, expect)
+            # The same dim counted from the end, and the torch comm path (parallel.comm=torch).
+            torch.testing.assert_close(mrs.matmul_reduce_scatter_reference(a, b, dim - a.dim()), expect)
+            for d in (dim, dim - a.dim()):
+                torch.testing.assert_close(TorchComm(dist.group.WORLD).matmul_reduce_scatter(a, b, d), expect)
         with FakeTensorMode():
             fake = torch.ops.weft.matmul_reduce_scatter(
                 torch.empty(shape), torch.empty(16, 8), dim, dist.group.WORLD.group_name
