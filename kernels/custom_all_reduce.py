@@ -275,6 +275,12 @@ class CustomAllReduce:
         chosen = self.algorithm(x) if algo == "auto" else algo
         if out is None:
             out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+            # The stock paths copy x into out, which would broadcast or cast it without a word.
+            raise ValueError(
+                f"out is {out.dtype} {tuple(out.shape)} on {out.device}; x is {x.dtype} {tuple(x.shape)} on "
+                f"{x.device}: pass an out of x's shape, dtype and device"
+            )
         if chosen == "identity":
             return out.copy_(x)
         if chosen == "nccl":

@@ -187,6 +187,13 @@ def fallback_on_rank(rank: int, world: int) -> None:
     z = torch.ops.weft.symm_all_reduce(x, car.group_name)
     torch.testing.assert_close(z, y)
     assert torch.equal(x, torch.arange(24, dtype=torch.float32) * (rank + 1)), "input untouched"
+    # An out of another shape or dtype is refused on every path (the stock one would broadcast or cast).
+    for out in (torch.empty(2, 24), torch.empty(24, dtype=torch.float16)):
+        with pytest.raises(ValueError, match="pass an out of x's shape, dtype and device"):
+            car.all_reduce(x, out=out)
+    out = torch.empty(24)
+    assert car.all_reduce(x, out=out) is out
+    torch.testing.assert_close(out, y)
 
 
 def test_custom_all_reduce_falls_back_on_cpu() -> None:
