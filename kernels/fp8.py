@@ -138,6 +138,16 @@ def store_row(
         tl.store(out_ptrs, to_fp8(y, 1.0 / scale, SNAP), mask=mask)
 
 
+def check_static_scale(scale: torch.Tensor) -> None:
+    """A static activation scale is one number for the whole tensor: the kernels read its first element
+    only, so per-row scales passed as one would quantize every row with row 0's."""
+    if scale.numel() != 1:
+        raise ValueError(
+            f"a static scale is one number per tensor, got shape {tuple(scale.shape)}: pass None for "
+            "scales per row"
+        )
+
+
 def quantize_reference(
     x: torch.Tensor, scale: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

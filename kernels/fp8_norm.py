@@ -23,6 +23,7 @@ from kernels import fp8
 from kernels.fp8 import (
     FP8,
     INTERPRETED,
+    check_static_scale,
     downcast,
     launch_options,
     pdl_for,
@@ -216,6 +217,7 @@ def _fp8_outputs(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Ten
     out = torch.empty(x.shape, dtype=FP8, device=x.device)
     if scale is None:
         return out, torch.empty(x.shape[0], dtype=torch.float32, device=x.device), QUANT_DYNAMIC
+    check_static_scale(scale)
     return out, scale.clone(), QUANT_STATIC
 
 

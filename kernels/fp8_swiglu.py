@@ -14,6 +14,7 @@ import triton.language as tl
 from kernels.fp8 import (
     FP8,
     INTERPRETED,
+    check_static_scale,
     launch_options,
     pdl_for,
     pdl_wait,
@@ -141,6 +142,7 @@ def swiglu_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tenso
         scales = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         _launch(x, out, scales, QUANT_DYNAMIC)
         return out, scales
+    check_static_scale(scale)
     _launch(x, out, scale, QUANT_STATIC)
     return out, scale.clone()
 

@@ -455,6 +455,14 @@ def test_bad_inputs_fail_clearly() -> None:
         rmsnorm_fp8(bf16(2, 64), bf16(32), 1e-5, None)
     with pytest.raises(ValueError, match="2 \\* hidden"):
         swiglu_fp8(bf16(2, 63), None)
+    # A static scale is one per tensor: per-row scales passed as one are refused, not read as row 0's.
+    per_row = torch.full((2,), 0.02, device=DEVICE)
+    with pytest.raises(ValueError, match="one number per tensor"):
+        rmsnorm_fp8(bf16(2, 64), bf16(64), 1e-5, per_row)
+    with pytest.raises(ValueError, match="one number per tensor"):
+        add_rmsnorm_fp8(bf16(2, 64), bf16(2, 64), bf16(64), 1e-5, per_row)
+    with pytest.raises(ValueError, match="one number per tensor"):
+        swiglu_fp8(bf16(2, 128), per_row)
 
 
 def test_no_rows_give_an_empty_product() -> None:
