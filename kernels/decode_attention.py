@@ -395,6 +395,13 @@ def _check(q, k, v, rope, input_pos, k_cache, v_cache) -> None:
         )
     if not rope.is_contiguous():
         raise ValueError("rope must be contiguous")
+    if rope.shape[0] < k_cache.shape[2]:
+        # The kernel reads the row at the position unchecked (it lives on the device): past the table's
+        # end that is other memory, and the output garbage.
+        raise ValueError(
+            f"rope has {rope.shape[0]} positions for a cache of {k_cache.shape[2]}: pass the model's whole "
+            "rotary table"
+        )
     tensors = {
         "q": q,
         "k": k,

@@ -195,6 +195,7 @@ def test_split_counts(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"seqlen": 2}, "one new token per sequence"),
         ({"positions": 2}, "one int64 position"),
         ({"pos_device": "meta"}, "input_pos must be on the cache's device"),
+        ({"rope_len": 6}, "the model's whole rotary table"),
     ],
 )
 def test_bad_shapes_are_refused_clearly(change: dict[str, int | str], message: str) -> None:
@@ -206,7 +207,7 @@ def test_bad_shapes_are_refused_clearly(change: dict[str, int | str], message: s
     seqlen, batch, cache_len = change.get("seqlen", 1), 2, 8
     q = torch.zeros(batch, seqlen, n_heads * head_dim, dtype=torch.bfloat16)
     k = torch.zeros(batch, 1, n_kv_heads * head_dim, dtype=torch.bfloat16)
-    rope = torch.zeros(cache_len, head_dim // 2, 2)
+    rope = torch.zeros(change.get("rope_len", cache_len), head_dim // 2, 2)
     pos = torch.zeros(change.get("positions", 1), dtype=torch.long, device=change.get("pos_device", "cpu"))
     cache = torch.zeros(batch, n_kv_heads, cache_len, head_dim, dtype=torch.bfloat16)
     # A meta tensor among the inputs sends the op to its fake implementation: the reference runs the
