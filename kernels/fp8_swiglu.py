@@ -103,11 +103,15 @@ def _swiglu_kernel(
         _swiglu_row(gate, up, pid, cols, mask, out_ptr, scale_ptr, inv_static, stride_o, QUANT, SNAP)
 
 
-def _launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, quant: int) -> None:
+def _check(x: torch.Tensor) -> None:
+    """Refuse what the kernel cannot take; called before the output is allocated from x's shape."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"swiglu takes bf16 or fp16 input, got {x.dtype}")
     if x.dim() != 2 or x.stride(-1) != 1 or x.shape[1] % 2:
         raise ValueError(f"x must be a row-contiguous [rows, 2 * hidden] tensor, got shape {tuple(x.shape)}")
+
+
+def _launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, quant: int) -> None:
     rows, hidden = x.shape[0], x.shape[1] // 2
     if rows == 0:
         return
@@ -137,6 +141,7 @@ def _launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, quant: int)
 @torch.library.custom_op("weft::swiglu_fp8", mutates_args=())
 def swiglu_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, 2H] = [gate | up] -> (e4m3 [M, H], fp32 scales): static `scale`, or per row when None."""
+    _check(x)
     out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=FP8, device=x.device)
     if scale is None:
         scales = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
@@ -156,6 +161,7 @@ def _(x, scale):
 @torch.library.custom_op("weft::swiglu", mutates_args=())
 def swiglu(x: torch.Tensor) -> torch.Tensor:
     """The bf16 path: silu(gate) * up in x's dtype."""
+    _check(x)
     out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype, device=x.device)
     _launch(x, out, out, QUANT_NONE)
     return out

@@ -453,8 +453,10 @@ def test_bad_inputs_fail_clearly() -> None:
         fp8_gemm(a, a_scale[:1].repeat(3), b, b_scale)
     with pytest.raises(ValueError, match="hidden size"):
         rmsnorm_fp8(bf16(2, 64), bf16(32), 1e-5, None)
-    with pytest.raises(ValueError, match="2 \\* hidden"):
-        swiglu_fp8(bf16(2, 63), None)
+    for x in (bf16(2, 63), bf16(64)):  # odd width; one row not given as [1, 2 * hidden]
+        for fn in (lambda x: swiglu_fp8(x, None), swiglu):
+            with pytest.raises(ValueError, match="2 \\* hidden"):
+                fn(x)
     # A static scale is one per tensor: per-row scales passed as one are refused, not read as row 0's.
     per_row = torch.full((2,), 0.02, device=DEVICE)
     with pytest.raises(ValueError, match="one number per tensor"):
