@@ -73,6 +73,20 @@ class ModelArgs:
             (self.rope_theta > 0, f"model.rope_theta={self.rope_theta} must be > 0"),
             (self.init_std > 0, f"model.init_std={self.init_std} must be > 0"),
         ]
+        scaling = self.rope_scaling
+        if scaling is not None:  # rope_frequencies divides by each of these (factor 0 trains to NaN)
+            checks += [
+                (scaling.factor > 0, f"model.rope_scaling.factor={scaling.factor} must be > 0"),
+                (
+                    scaling.original_max_position > 0,
+                    f"model.rope_scaling.original_max_position={scaling.original_max_position} must be > 0",
+                ),
+                (
+                    0 < scaling.low_freq_factor < scaling.high_freq_factor,
+                    f"model.rope_scaling.low_freq_factor={scaling.low_freq_factor} must be > 0 and below "
+                    f"model.rope_scaling.high_freq_factor={scaling.high_freq_factor}",
+                ),
+            ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)

@@ -139,6 +139,23 @@ def test_model_shape_is_checked(field: str, value: float, message: str) -> None:
         ModelArgs(**{field: value}).validate()
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("factor", 0.0, "model.rope_scaling.factor=0.0 must be > 0"),
+        ("original_max_position", 0, "model.rope_scaling.original_max_position=0 must be > 0"),
+        ("low_freq_factor", 4.0, "model.rope_scaling.low_freq_factor=4.0 must be > 0 and below"),
+        ("low_freq_factor", 0.0, "model.rope_scaling.low_freq_factor=0.0 must be > 0 and below"),
+    ],
+)
+def test_rope_scaling_is_checked(field: str, value: float, message: str) -> None:
+    # Before any work: factor 0 used to train to a NaN loss at step 1, blamed on the learning rate.
+    cfg = composed("train", "model=llama3_8b", f"model.rope_scaling.{field}={value}")
+    validate_train_config(cfg)
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        OmegaConf.to_object(cfg.model).validate()
+
+
 def _report(rank: int, world: int, failing: list[int], out: Path) -> None:
     """Ranks in `failing` meet a user error; the others stand for ranks still at work (in a collective)."""
     from parallel import distributed
