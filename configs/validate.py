@@ -86,6 +86,26 @@ def check_shape_overrides(overrides: Sequence[str], weights_key: str) -> None:
         )
 
 
+# serve.py's keys that one mode reads and the other ignores.
+MODE_KEYS = {
+    "bench": ("batch_size", "prompt_len", "decode_steps"),
+    "generate": ("prompt", "chat", "messages", "max_new_tokens", "temperature", "top_k", "top_p"),
+}
+
+
+def check_mode_overrides(mode: str, overrides: Sequence[str]) -> None:
+    """A command line that sets a key only the other mode reads (prompt=... without mode=generate) is
+    refused, not silently run as the other mode."""
+    other = next(name for name in MODE_KEYS if name != mode)
+    ignored = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] in MODE_KEYS[other]]
+    if ignored:
+        raise ValueError(
+            f"mode={mode} ignores {', '.join(ignored)} (mode={other} reads "
+            f"{'it' if len(ignored) == 1 else 'them'}): set mode={other}, or drop "
+            f"{'it' if len(ignored) == 1 else 'them'}"
+        )
+
+
 def validate_train_config(cfg: TrainConfig) -> None:
     """train.py's keys and values (the model's shape is checked once a checkpoint may have set it)."""
     check_keys(cfg)

@@ -197,6 +197,8 @@ def assert_one_error_line(done, text: str) -> None:
         ("serve.py", ["mode=generate", "max_new_tokens=0"], "max_new_tokens=0 must be >= 1"),
         ("serve.py", ["mode=generate", "max_new_tokens=-1"], "max_new_tokens=-1 must be >= 1"),
         ("serve.py", ["model=llama3_405b"], "serving model llama3_405b needs about"),
+        ("serve.py", ["prompt=hi"], "mode=bench ignores prompt=hi (mode=generate reads it): set mode="),
+        ("serve.py", ["mode=generate", "batch_size=8", "decode_steps=9"], "ignores batch_size=8, decode"),
     ],
 )
 def test_script_prints_one_error_line(tmp_path: Path, script: str, overrides: list[str], text: str) -> None:
