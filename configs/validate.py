@@ -128,6 +128,11 @@ def validate_train_config(cfg: TrainConfig) -> None:
             f"training.stop_at={t.stop_at} must be between 1 and training.steps={t.steps} (or null)",
         ),
         one_of("training.dtype", t.dtype, TRAIN_DTYPES),
+        # FP8 is serve.py's decode path: training would go on in training.dtype as if it were unset.
+        (
+            not cfg.model.fp8,
+            "model.fp8=true is for serve.py's decode only: train.py trains in training.dtype",
+        ),
         path_or_null("data.path", cfg.data.path),
         (bool(cfg.data.jsonl_field), "data.jsonl_field must name the field holding each line's text"),
         path_or_null("checkpoint.init_from", ckpt.init_from),

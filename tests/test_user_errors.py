@@ -79,6 +79,7 @@ def test_config_errors_name_the_valid_choices(overrides: list[str], message: str
         ("training.stop_at=0", "training.stop_at=0 must be between 1 and training.steps=300 (or null)"),
         ("training.stop_at=301", "training.stop_at=301 must be between 1 and training.steps=300 (or null)"),
         ("training.dtype=float16", "training.dtype='float16' is not one of bfloat16, float32"),
+        ("model.fp8=true", "model.fp8=true is for serve.py's decode only: train.py trains in training.dtype"),
         ("data.jsonl_field=", "data.jsonl_field must name the field holding each line's text"),
         ("data.path=", "data.path is empty: give a path, or null"),
         ("checkpoint.init_from=", "checkpoint.init_from is empty: give a path, or null"),
