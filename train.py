@@ -26,6 +26,7 @@ import hydra
 import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import OmegaConf
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -428,7 +429,8 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
         last = f"last loss {record['loss']:.4f}"  # as the step's line rounds it
         log.info(f"{why}stopped at step {step}, {last}; run directory {shown(run_dir)}")
         if step < t.steps:
-            log.info(f"checkpoint of step {step} saved; resume with: {resume_command(run_dir)}")
+            sweep_job = command_line_overrides() if HydraConfig.get().mode == RunMode.MULTIRUN else None
+            log.info(f"checkpoint of step {step} saved; resume with: {resume_command(run_dir, sweep_job)}")
     if cfg.checkpoint.export_hf and step == t.steps:
         export_run(model, args, run_dir, tokenizer, mesh is not None)
     if interrupted:

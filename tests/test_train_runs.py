@@ -131,6 +131,26 @@ def test_sigint_saves_prints_resume_command_and_resumes_exactly(tmp_path: Path, 
     assert losses(run_dir)[STEPS] == losses(straight)[STEPS]
 
 
+def test_multirun_job_prints_a_command_that_resumes_it(tmp_path: Path) -> None:
+    """A job of a sweep stopped early names its own values (the sweep's command line would start a new
+    sweep, every job from step 0)."""
+    sweep = tmp_path / "sweep"
+    overrides = [*TINY, CPU, "training.steps=2", "training.stop_at=1", "training.lr=1e-3,2e-3"]
+    done = run_script("train.py", "-m", *overrides, f"hydra.sweep.dir={sweep}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [line for line in done.stdout.splitlines() if "resume with: " in line]
+    commands = [line.split("resume with: ", 1)[1] for line in said]
+    assert len(commands) == 2
+    first = shlex.split(commands[0])
+    assert "-m" not in first and "training.lr=0.001" in first, first
+    assert first[-1] == f"hydra.run.dir={sweep / '0'}"
+
+    resumed = subprocess.run(first, cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {sweep / '0'}/checkpoints/step_00000001" in resumed.stdout
+    assert metric_steps(sweep / "0") == [1, 2] and metric_steps(sweep / "1") == [1]
+
+
 def worker_of_rank(torchrun: subprocess.Popen, rank: int) -> int:
     """The pid of a torchrun worker (read from /proc: the children of torchrun's process)."""
     children = Path(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children").read_text().split()

@@ -12,6 +12,7 @@ import os
 import shlex
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +68,12 @@ def shown(path: Path) -> str:
         return str(absolute)
 
 
-def resume_command(run_dir: Path) -> str:
-    """The command line that resumes this run: this launch's own, pinned to its run directory."""
-    overrides = [arg for arg in sys.argv[1:] if not arg.startswith("hydra.run.dir=")]
+def resume_command(run_dir: Path, sweep_job: Sequence[str] | None = None) -> str:
+    """The command line that resumes this run: this launch's own, pinned to its run directory. For a job
+    of a multirun sweep, `sweep_job` (the job's own overrides): the sweep's command line would start a new
+    sweep, every job from step 0, in a new sweep directory."""
+    args = sys.argv[1:] if sweep_job is None else sweep_job
+    overrides = [arg for arg in args if not arg.startswith("hydra.run.dir=")]
     world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if world > 1:
         nodes = [f"--nnodes={world // local}"] if world != local else []
