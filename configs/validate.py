@@ -155,6 +155,11 @@ def validate_serve_config(cfg: ServeConfig) -> None:
         at_least("decode_steps", cfg.decode_steps, 1),
         one_of("dtype", cfg.dtype, SERVE_DTYPES),
         between("seed", cfg.seed, 0, MAX_SEED),
+        # Decode has no data-parallel ranks to shard over: the model would be served whole as if unset.
+        (
+            not cfg.parallel.fsdp,
+            "parallel.fsdp=true is for train.py only: serve.py splits a model with parallel.tp",
+        ),
     ]
     raise_first_failure(checks)
     # The sampling values given here (None: generation_config.json's, checked when it is read).

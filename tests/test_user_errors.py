@@ -108,6 +108,10 @@ def test_train_values_are_checked(override: str, message: str) -> None:
         ("decode_steps=0", "decode_steps=0 must be >= 1"),
         ("dtype=fp8", "dtype='fp8' is not one of bfloat16, float16, float32"),
         ("seed=-3", "seed=-3 must be in [0, 4294967295]"),
+        (
+            "parallel.fsdp=true",
+            "parallel.fsdp=true is for train.py only: serve.py splits a model with parallel.tp",
+        ),
         ("+serve.foo=1", "unknown key serve: the top-level keys are model, parallel, mode,"),
     ],
 )
