@@ -364,6 +364,12 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
             log.info(f"resuming from {shown(resume_from)} (step {start_step})")
         layout = f" (dp={dims.dp} cp={dims.cp} tp={dims.tp}, comm={dims.comm})" if mesh is not None else ""
         log.info(f"model {args.name}: {args.num_params() / 1e6:.1f}M parameters on {device} x{world}{layout}")
+        if t.warmup_steps > t.steps:  # allowed (a short smoke test), but the schedule is not the one set
+            top = t.lr * lr_lambda(t.steps - 1, t.warmup_steps, t.steps, t.min_lr_ratio)
+            log.warning(
+                f"warning: training.warmup_steps={t.warmup_steps} exceeds training.steps={t.steps}: the "
+                f"learning rate stops at {top:.3g} in warm-up, short of training.lr={t.lr:g}"
+            )
 
     flops_per_token = args.training_flops_per_token(t.seq_len)
     peak = peak_flops(device)

@@ -151,6 +151,19 @@ def test_multirun_job_prints_a_command_that_resumes_it(tmp_path: Path) -> None:
     assert metric_steps(sweep / "0") == [1, 2] and metric_steps(sweep / "1") == [1]
 
 
+def test_warmup_longer_than_the_run_is_trained_and_named(tmp_path: Path) -> None:
+    """A smoke test shorter than the warm-up runs, with a warning that the lr never reaches its value."""
+    run_dir = tmp_path / "run"
+    done = run_script(
+        "train.py", *TINY, CPU, "training.steps=2", "training.warmup_steps=5", f"hydra.run.dir={run_dir}"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = "training.warmup_steps=5 exceeds training.steps=2: the learning rate stops at 0.0012 in warm-up"
+    assert said in done.stdout
+    lrs = [json.loads(line)["lr"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert lrs == pytest.approx([3e-3 / 5, 3e-3 * 2 / 5])
+
+
 def worker_of_rank(torchrun: subprocess.Popen, rank: int) -> int:
     """The pid of a torchrun worker (read from /proc: the children of torchrun's process)."""
     children = Path(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children").read_text().split()
