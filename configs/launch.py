@@ -69,6 +69,25 @@ def command_line_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
 
 
+# Settings that are null in some presets and structured where set.
+NULLABLE_SETTINGS = ("model.rope_scaling",)
+
+
+def null_setting_error(err: BaseException, overrides: list[str]) -> ValueError | None:
+    """The user error behind OmegaConf's failure to set a key inside a null structured setting, or None
+    where no override reaches into one (then the failure is a bug)."""
+    for override in overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        for setting in NULLABLE_SETTINGS:
+            if key == setting or key.startswith(f"{setting}."):
+                return ValueError(
+                    f"cannot set {key}: {setting} is null in this preset, and Hydra cannot fill a null "
+                    f"setting from the command line ({type(err).__name__}); start from a preset that sets "
+                    f"{setting} (model=llama3_8b) and override its other keys"
+                )
+    return None
+
+
 def launch(main: Callable[[], None]) -> None:
     """Join the torchrun group first, so that every rank agrees on one run directory and only rank 0
     writes Hydra's logs and config copies; then run the Hydra `main`, and leave the group after."""
@@ -84,6 +103,13 @@ def launch(main: Callable[[], None]) -> None:
         error = err.__cause__
     except USER_ERRORS as err:  # Hydra's config errors, raised before the task function runs
         error = err
+    except (AssertionError, AttributeError) as err:
+        # OmegaConf cannot merge into a structured setting that is null (debug's model.rope_scaling):
+        # its assertion is no bug of the user's command, but the command can be changed.
+        error = null_setting_error(err, sys.argv[1:])
+        if error is None:
+            distributed.shutdown()
+            raise
     except BaseException:
         distributed.shutdown()  # no meeting: the peers may never get there
         raise

@@ -198,6 +198,8 @@ def assert_one_error_line(done, text: str) -> None:
         ("train.py", ["training.stepz=5"], "unknown key training.stepz: training's keys are steps"),
         ("train.py", ["+training.stepz=5"], "unknown key training.stepz: training's keys are steps"),
         ("train.py", ["model=model_schema"], "the choices for model are debug, llama3_405b"),
+        ("train.py", ["model.rope_scaling.factor=8"], "cannot set model.rope_scaling.factor: model.rope_"),
+        ("serve.py", ["model.rope_scaling={factor:8.0}"], "start from a preset that sets model.rope_scaling"),
         ("train.py", ["training.steps=abc"], "could not be converted to Integer"),
         ("serve.py", ["mode=generate", "max_new_tokens=0"], "max_new_tokens=0 must be >= 1"),
         ("serve.py", ["mode=generate", "max_new_tokens=-1"], "max_new_tokens=-1 must be >= 1"),
