@@ -76,7 +76,9 @@ def validate_model(dims: ParallelDims, args: ModelArgs, seq_len: int | None = No
         ),
         (
             args.vocab_size % tp == 0,
-            f"model.vocab_size={args.vocab_size} is not divisible by parallel.tp={tp}: pad the vocabulary",
+            # Weights loaded from a checkpoint fix the vocabulary: only tp can change then.
+            f"model.vocab_size={args.vocab_size} is not divisible by parallel.tp={tp}: choose a parallel.tp "
+            "that divides it (or, for a model not loaded from weights, a model.vocab_size that tp divides)",
         ),
     ]
     if cp > 1:

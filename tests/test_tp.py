@@ -326,6 +326,16 @@ def test_bad_layouts_fail_with_one_line_errors() -> None:
         check_ops("torch", ["all_to_all"])  # a misspelt op fails on every path, CPU included
 
 
+def test_indivisible_vocabulary_names_a_change_a_loaded_model_can_make() -> None:
+    """A checkpoint's (or Hugging Face model's) vocabulary cannot be padded from the config
+    (checkpoint.init_from refuses model.vocab_size): the error offers another parallel.tp."""
+    odd = ModelArgs(**{**small_args().__dict__, "vocab_size": 65})
+    with pytest.raises(
+        ValueError, match=r"vocab_size=65 is not divisible by parallel\.tp=2: choose a parallel\.tp"
+    ):
+        validate_model(ParallelDims(1, 1, 2), odd)
+
+
 def _comm_errors(rank: int, world: int) -> None:
     for path in ("symm_mem", "triton"):
         try:
