@@ -60,7 +60,7 @@ from parallel.parallelize import (
 )
 from training.interrupt import StopRequest
 from training.metrics import MetricsLog, require_tensorboard
-from training.records import LaunchRecord, resume_changes, resume_command, shown
+from training.records import LaunchRecord, data_parallel_change, resume_changes, resume_command, shown
 
 log = logging.getLogger("train")
 
@@ -181,16 +181,20 @@ def set_optimizer_values(
 
 
 def check_resume_config(
-    saved: dict | None,
+    meta: dict,
     cfg: TrainConfig,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LambdaLR,
     step: int,
     source: Path,
+    dp_size: int,
 ) -> None:
-    """Say what a resume changes from the config the checkpoint was saved with; a changed schedule is
-    refused unless training.allow_schedule_change=true, then applied from the next step."""
+    """Say what a resume changes from the config (and data-parallel ranks) the checkpoint `meta` was
+    saved with; a changed schedule is refused unless training.allow_schedule_change=true, then applied
+    from the next step."""
+    saved = meta.get("config")
     schedule, other = resume_changes(saved, OmegaConf.to_container(cfg, resolve=True))
+    other += data_parallel_change(saved, meta["data"], dp_size)
     if other and distributed.rank() == 0:
         log.warning(f"warning: resuming {shown(source)} with changed values: {', '.join(other)}")
     if not schedule:
@@ -343,7 +347,7 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
             if cfg.checkpoint.export_hf:
                 export_run(model, args, run_dir, tokenizer, mesh is not None)
             return
-        check_resume_config(meta.get("config"), cfg, optimizer, scheduler, start_step, resume_from)
+        check_resume_config(meta, cfg, optimizer, scheduler, start_step, resume_from, dp_size)
     if rank == 0:  # once the launch is known to be runnable: a refused one leaves no directory
         log.info(f"run directory: {shown(run_dir)}")
 

@@ -335,6 +335,17 @@ def test_changed_schedule_is_refused_unless_allowed(tmp_path: Path) -> None:
     assert meta["config"]["training"]["steps"] == 16
 
 
+def test_resume_over_fewer_data_parallel_ranks_says_so(tmp_path: Path) -> None:
+    """Two data-parallel ranks stopped, resumed on one: each step now trains on half the sequences,
+    which no config value shows, so the resume names the change."""
+    short = [*TINY, CPU, "training.steps=2", "checkpoint.every=0", f"hydra.run.dir={tmp_path}"]
+    first = run_script("train.py", *short, "training.stop_at=1", torchrun=2)
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = run_script("train.py", *short)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "with changed values: data-parallel ranks 2 -> 1" in resumed.stdout
+
+
 def test_truncated_checkpoint_falls_back_to_the_one_before(tmp_path: Path, straight: Path) -> None:
     first = run_script("train.py", *COMMON, "training.stop_at=100", f"hydra.run.dir={tmp_path}")
     assert first.returncode == 0, first.stderr[-3000:]

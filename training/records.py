@@ -58,6 +58,16 @@ def resume_changes(saved: dict[str, Any] | None, current: dict[str, Any]) -> tup
     return changed(tuple(f"training.{k}" for k in SCHEDULE_KEYS)), changed(RECIPE_KEYS)
 
 
+def data_parallel_change(saved: dict[str, Any] | None, data: dict[str, Any], ranks: int) -> list[str]:
+    """'data-parallel ranks 2 -> 1' when a resume runs over another number of data-parallel ranks than
+    the checkpoint's (its data position's windows per step over its training.batch_size): no config
+    value holds it, yet it changes the batch every step trains on."""
+    batch, per_step = _value(saved, "training.batch_size"), data.get("windows_per_step")
+    if not batch or per_step is None or per_step // batch == ranks:
+        return []
+    return [f"data-parallel ranks {per_step // batch} -> {ranks}"]
+
+
 def shown(path: Path) -> str:
     """A path as a user would type it: relative to the working directory when inside it (symbolic links
     kept: a virtual environment's python is one)."""
