@@ -37,7 +37,9 @@ def read_documents(path: Path, jsonl_field: str) -> list[str]:
         raise ValueError(f"{path} is not a {SUFFIXES} file: weft reads UTF-8 text (decompress or rename it)")
     if path.suffix == ".jsonl":
         documents = []
-        for number, line in enumerate(read_text(path).splitlines(), start=1):
+        # Lines end at "\n" only: str.splitlines also breaks at U+2028, U+2029 and U+0085, which JSON
+        # writers leave unescaped inside strings (json.dumps with ensure_ascii=False does).
+        for number, line in enumerate(read_text(path).split("\n"), start=1):
             if not line.strip():
                 continue
             try:

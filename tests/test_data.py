@@ -41,6 +41,17 @@ def test_text_jsonl_and_directory(tmp_path: Path) -> None:
     assert load_documents(str(tmp_path / "d.jsonl"), jsonl_field="body") == ["other field"]
 
 
+def test_jsonl_lines_end_at_newlines_only(tmp_path: Path) -> None:
+    # Characters that str.splitlines breaks at, left raw inside JSON strings by json.dumps
+    # (ensure_ascii=False), and a file with Windows line ends.
+    documents = ["one\u2028two", "next\u2029paragraph", "NEL\x85here", "form\x0cfeed", "plain"]
+    lines = [json.dumps({"text": d}, ensure_ascii=False) for d in documents]
+    (tmp_path / "c.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert load_documents(str(tmp_path / "c.jsonl")) == documents
+    (tmp_path / "c.jsonl").write_bytes("\r\n".join(lines).encode("utf-8"))
+    assert load_documents(str(tmp_path / "c.jsonl")) == documents
+
+
 def test_loading_errors_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_documents(str(tmp_path / "nope.txt"))
