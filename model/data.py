@@ -24,7 +24,8 @@ def default_corpus() -> list[str]:
 
 def read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        # A byte order mark (some Windows editors start UTF-8 files with one) is no part of the text.
+        return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as error:
         raise ValueError(
             f"{path} is not UTF-8 text ({error.reason} at byte {error.start}): convert it to UTF-8"

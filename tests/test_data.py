@@ -52,6 +52,13 @@ def test_jsonl_lines_end_at_newlines_only(tmp_path: Path) -> None:
     assert load_documents(str(tmp_path / "c.jsonl")) == documents
 
 
+def test_utf8_byte_order_mark_is_not_text(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_bytes(b"\xef\xbb\xbfhello")
+    (tmp_path / "b.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "first"}\n{"text": "second"}\n')
+    assert load_documents(str(tmp_path / "a.txt")) == ["hello"]
+    assert load_documents(str(tmp_path / "b.jsonl")) == ["first", "second"]
+
+
 def test_loading_errors_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_documents(str(tmp_path / "nope.txt"))
