@@ -4,6 +4,7 @@ a position that a checkpoint saves for an exact resume."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -59,6 +60,22 @@ def read_documents(path: Path, jsonl_field: str) -> list[str]:
     return [read_text(path)]
 
 
+def corpus_files(root: Path) -> list[Path]:
+    """The text and .jsonl files under `root`, sorted. Symlinked directories are followed (Path.rglob
+    leaves them out, and a corpus assembled from links would lose their files without a word), each
+    real directory once so that a link back up the tree ends."""
+    files, seen = [], set()
+    for directory, subdirectories, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(directory)
+        if real in seen:
+            subdirectories.clear()
+            continue
+        seen.add(real)
+        subdirectories.sort()  # a directory linked twice is read where the sorted walk meets it first
+        files += [Path(directory, name) for name in names if Path(name).suffix in TEXT_SUFFIXES | {".jsonl"}]
+    return sorted(file for file in files if file.is_file())
+
+
 def load_documents(path: str | None, jsonl_field: str = "text") -> list[str]:
     """Documents of the corpus: the default one (path None), a text or .jsonl file, or a directory
     of such files (read in sorted order)."""
@@ -66,7 +83,7 @@ def load_documents(path: str | None, jsonl_field: str = "text") -> list[str]:
         return default_corpus()
     root = Path(path)
     if root.is_dir():
-        files = sorted(p for p in root.rglob("*") if p.is_file() and (p.suffix in TEXT_SUFFIXES | {".jsonl"}))
+        files = corpus_files(root)
         if not files:
             raise FileNotFoundError(f"data.path={path} holds no {SUFFIXES} files")
         documents = [doc for file in files for doc in read_documents(file, jsonl_field)]

@@ -59,6 +59,18 @@ def test_utf8_byte_order_mark_is_not_text(tmp_path: Path) -> None:
     assert load_documents(str(tmp_path / "b.jsonl")) == ["first", "second"]
 
 
+def test_directory_follows_symlinked_directories(tmp_path: Path) -> None:
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "b.txt").write_text("linked shard")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("own file")
+    (corpus / "linked").symlink_to(tmp_path / "shards")
+    (corpus / "shards").symlink_to(tmp_path / "shards")  # the same directory again: read once
+    (corpus / "loop").symlink_to(corpus)  # a link back up the tree: not followed round
+    assert load_documents(str(corpus)) == ["own file", "linked shard"]
+
+
 def test_loading_errors_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_documents(str(tmp_path / "nope.txt"))
