@@ -122,9 +122,11 @@ def memory_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * 20 / (start.elapsed_time(end) / 1e3)
 
 
-def decode_bytes_per_step(model: Llama, batch: int, cache_len: int) -> int:
-    """Bytes one decode step must read: every weight but the embedding table (of which it reads only
-    `batch` rows), and the whole static KV cache (attention reads every cached position)."""
+def decode_bytes_per_step(model: Llama, batch: int, first: int, end: int) -> float:
+    """Bytes a decode step must read, the mean over the steps at positions `first` .. `end` - 1: every
+    weight but the embedding table (of which it reads only `batch` rows), and the KV cache up to the
+    step's position (attention at position p needs positions 0 .. p; weft's decode attention reads no
+    further, the stock path reads the whole static cache and masks the rest)."""
     # FP8 weights and their scales are buffers; the rotary table and KV cache are not weights.
     buffers = [b for name, b in model.named_buffers() if name.endswith((".weight", ".scale"))]
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *buffers])
@@ -132,12 +134,12 @@ def decode_bytes_per_step(model: Llama, batch: int, cache_len: int) -> int:
     table = embedding.numel() * embedding.element_size()
     # Decode reads `batch` rows of the embedding, all of it only as a tied bf16 output projection.
     weights -= 0 if model.args.tie_embeddings and not model.args.fp8 else table
-    return weights + kv_cache_bytes(model, batch, cache_len)
+    # The bytes grow linearly with the position: their mean is that of the first and the last step.
+    return weights + (kv_cache_bytes(model, batch, first + 1) + kv_cache_bytes(model, batch, end)) / 2
 
 
 def kv_cache_bytes(model: Llama, batch: int, cache_len: int) -> int:
-    """Bytes of the static KV cache for `batch` sequences of `cache_len` positions: what attention
-    reads in a decode step."""
+    """Bytes of the KV cache for `batch` sequences of `cache_len` positions."""
     args = model.args
     # This rank's key/value heads (all of them, or its share under tensor parallelism).
     kv_heads = model.layers[0].attention.n_kv_heads
@@ -196,7 +198,7 @@ def benchmark_decode(
     }
     if device.type == "cuda":
         bandwidth = memory_bandwidth(device)
-        roofline_ms = decode_bytes_per_step(model, batch, cache_len) / bandwidth * 1e3
+        roofline_ms = decode_bytes_per_step(model, batch, prompt_len, cache_len) / bandwidth * 1e3
         row.update(
             {
                 "roofline_ms": roofline_ms,

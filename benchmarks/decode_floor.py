@@ -42,7 +42,8 @@ above_floor_us that less the floor of weft's structure: what the class of weft's
 streaming its bytes, neighbours' overlap included. The classes' excesses need not add up to
 that of "all weft's kernels": how much a kernel overlaps its neighbours under PDL depends on what they are.
 
-The roofline is bench_decode's: weights and KV cache over the measured copy bandwidth (serve.py), here
+The roofline is bench_decode's for the step at the cache's last slot (the one step of its run whose
+attention reads the whole cache): weights and KV cache over the measured copy bandwidth (serve.py), here
 counted from the model's shapes (the norm weights and FP8 scales, under 0.1%, left out).
 Writes benchmarks/results/decode_floor-<model>-<device>.{json,md}.
 """

@@ -147,7 +147,7 @@ def profile_decode(
     events = profile_replays(step.graph, replays)
     kv = kv_cache_bytes(model, batch, cache_len)
     # Every weight a decode step reads (all but the embedding rows) is a GEMM's, but the norms' tiny ones.
-    weights = decode_bytes_per_step(model, batch, cache_len) - kv
+    weights = decode_bytes_per_step(model, batch, cache_len - 1, cache_len) - kv
     roofline_us = {"GEMM": weights / bandwidth * 1e6, "attention": kv / bandwidth * 1e6}
     model.clear_caches()
     return breakdown(events, replays, wall_us, roofline_us), largest_other(events, replays)

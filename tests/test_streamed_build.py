@@ -200,7 +200,7 @@ def test_llama3_70b_fp8_build_and_its_decode_bytes(monkeypatch: pytest.MonkeyPat
     scales = sum(b.numel() * 4 for name, b in model.named_buffers() if name.endswith(".scale"))
     embedding = 2 * args.vocab_size * args.dim
     expected = estimate.parts["weights"] - embedding + scales + estimate.parts["KV cache"]
-    assert serve.decode_bytes_per_step(model, 8, 640) == expected
+    assert serve.decode_bytes_per_step(model, 8, 639, 640) == expected  # the step at the last position
     assert 69e9 < expected < 72e9  # about 70 GB a decode step reads: an H200 (4.8 TB/s) at ~15 ms
 
 
@@ -230,3 +230,19 @@ def test_streamed_fp8_build_peaks_at_the_estimate_on_a_gpu() -> None:
     rope = model.rope.numel() * model.rope.element_size()
     assert peak <= 1.02 * estimate.total + rope, (peak, estimate.describe())
     assert peak < 0.75 * 2 * args.num_params()
+
+
+def test_decode_roofline_counts_the_kv_cache_up_to_each_timed_step() -> None:
+    """bench_decode's roofline for Llama-3-8B in bf16: the weights but the embedding table, and per step
+    the KV cache up to its position (weft's decode attention reads no further). The steps at positions
+    512 .. 639 read 513 .. 640 positions, 576.5 on average, not the whole 640-position cache each."""
+    from omegaconf import OmegaConf
+
+    from tests.test_user_errors import composed
+
+    args = OmegaConf.to_object(composed("serve", "model=llama3_8b").model)
+    model = serve.build_model(args, None, torch.device("meta"), torch.bfloat16)
+    weights = 2 * (args.num_params() - args.vocab_size * args.dim)
+    position = 2 * 32 * 8 * 8 * 128 * 2  # keys and values of 32 layers, batch 8, 8 kv heads, in bf16
+    assert serve.decode_bytes_per_step(model, 8, 512, 640) == weights + 576.5 * position
+    assert serve.decode_bytes_per_step(model, 8, 512, 513) == weights + 513 * position
