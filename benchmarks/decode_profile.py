@@ -4,12 +4,13 @@ torch.profiler, its kernels' time summed per op class beside the step's wall tim
     python -m benchmarks.decode_profile --model llama3_8b --batch-sizes 1 8 [--fp8] [--compile] [--no-pdl]
 
 One GPU, random weights, prompt `--prompt-len`, cache `--prompt-len + --decode-steps` long (as in
-bench_decode, so the rooflines agree). Per (dtype, compiled, batch) the table has the step's wall time
-(graph replays timed with CUDA events, no profiler), the kernels' summed time, the GPU's busy time (the
-union of the kernels' intervals: wall minus busy is idle gaps), then per op class its kernels and time
-per step, its share of the summed kernel time and of the wall time, and for the classes that must read
-memory (the GEMMs read the weights, attention the KV cache) their roofline time at the measured copy
-bandwidth (the GEMM row's share leaves out the split-K reduce kernels, a row of their own).
+bench_decode), the step profiled being the first, at position `--prompt-len`. Per (dtype, compiled,
+batch) the table has the step's wall time (graph replays timed with CUDA events, no profiler), the
+kernels' summed time, the GPU's busy time (the union of the kernels' intervals: wall minus busy is idle
+gaps), then per op class its kernels and time per step, its share of the summed kernel time and of the
+wall time, and for the classes that must read memory (the GEMMs read the weights, attention the KV cache
+up to the position) their roofline time at the measured copy bandwidth (the GEMM row's share leaves out
+the split-K reduce kernels, a row of their own).
 
 Under programmatic dependent launch (the FP8 kernels, kernels/fp8.py) a kernel starts before the one
 it waits on has finished, so durations overlap and their sum exceeds the wall time: `--no-pdl`
@@ -145,12 +146,19 @@ def profile_decode(
     step(prefill(model, prompt).argmax(-1), prompt_len)  # compile and capture
     wall_us = time_events(step.graph.replay, iters=50) * 1e3
     events = profile_replays(step.graph, replays)
-    kv = kv_cache_bytes(model, batch, cache_len)
-    # Every weight a decode step reads (all but the embedding rows) is a GEMM's, but the norms' tiny ones.
-    weights = decode_bytes_per_step(model, batch, cache_len - 1, cache_len) - kv
-    roofline_us = {"GEMM": weights / bandwidth * 1e6, "attention": kv / bandwidth * 1e6}
     model.clear_caches()
+    # The graph replays the step it captured, at position prompt_len.
+    roofline_us = step_roofline_us(model, batch, prompt_len, bandwidth)
     return breakdown(events, replays, wall_us, roofline_us), largest_other(events, replays)
+
+
+def step_roofline_us(model: Llama, batch: int, position: int, bandwidth: float) -> dict[str, float]:
+    """Microseconds at `bandwidth` (bytes/s) of what the decode step at `position` must read, for the op
+    classes that read memory: the GEMMs their weights, attention the KV cache's positions 0 .. position."""
+    kv = kv_cache_bytes(model, batch, position + 1)
+    # Every weight a decode step reads (all but the embedding rows) is a GEMM's, but the norms' tiny ones.
+    weights = decode_bytes_per_step(model, batch, position, position + 1) - kv
+    return {"GEMM": weights / bandwidth * 1e6, "attention": kv / bandwidth * 1e6}
 
 
 def main() -> None:

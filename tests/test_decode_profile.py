@@ -144,3 +144,20 @@ def test_refuses_without_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "argv", ["decode_profile", "--batch-sizes", "1"])
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         main()
+
+
+def test_step_roofline_reads_the_kv_cache_up_to_the_profiled_position() -> None:
+    """The profiled step is the graph's captured one, at position prompt_len (512): its attention
+    roofline is the KV cache's 513 positions, not the whole cache of prompt + decode steps (640); its
+    GEMM roofline is every weight but the embedding table."""
+    from omegaconf import OmegaConf
+
+    from benchmarks.decode_profile import step_roofline_us
+    from serve import build_model
+    from tests.test_user_errors import composed
+
+    args = OmegaConf.to_object(composed("serve", "model=llama3_8b").model)
+    model = build_model(args, None, torch.device("meta"), torch.bfloat16)
+    roofline = step_roofline_us(model, batch=8, position=512, bandwidth=1e12)
+    assert roofline["attention"] == pytest.approx(2 * 32 * 8 * 8 * 128 * 2 * 513 / 1e6)
+    assert roofline["GEMM"] == pytest.approx(2 * (args.num_params() - args.vocab_size * args.dim) / 1e6)
