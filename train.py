@@ -64,14 +64,27 @@ from training.records import LaunchRecord, data_parallel_change, resume_changes,
 
 log = logging.getLogger("train")
 
-# Dense bf16 tensor-core peaks (FLOP/s), for MFU.
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
+# Dense bf16 tensor-core peaks (FLOP/s), for MFU, by a part of the device's name: the first that matches.
+# The PCIe and NVL cards of a chip run at lower clocks than its SXM ones (NVIDIA's datasheets).
+PEAK_BF16_FLOPS = {
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H200 NVL": 835e12,
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "B200": 2250e12,
+}
 
 
 def peak_flops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
+    return peak_bf16_flops(torch.cuda.get_device_name(device))
+
+
+def peak_bf16_flops(name: str) -> float | None:
+    """The dense bf16 peak of the GPU named `name` (torch.cuda.get_device_name), None where unknown."""
     return next((flops for chip, flops in PEAK_BF16_FLOPS.items() if chip in name), None)
 
 

@@ -34,8 +34,7 @@ from parallel.comm import CommUnavailable
 from parallel.loss import cross_entropy
 from parallel.mesh import ParallelDims, build_mesh, validate_device, validate_model
 from parallel.parallelize import ParallelizeConfig, clip_grad_norm_, parallelize_llama
-
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12}
+from train import peak_bf16_flops
 
 
 def llama3_8b(layers: int, seq: int) -> ModelArgs:
@@ -136,7 +135,7 @@ def bench_path(comm: str, opts, args: ModelArgs, device: torch.device) -> dict[s
     host_ms, gpu_ms = queue_and_gpu_ms(step, seconds)
     del losses[timed_losses:]  # the loss table holds the warm-up and timed steps only
     tokens_per_gpu = opts.batch * opts.seq * dims.dp / world / seconds
-    peak = next((v for k, v in PEAK_BF16.items() if k in torch.cuda.get_device_name()), None)
+    peak = peak_bf16_flops(torch.cuda.get_device_name())
     row.update(
         {
             "status": "ok",

@@ -403,3 +403,17 @@ def test_plot_metrics_draws_several_runs(tmp_path: Path, straight: Path) -> None
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert out.read_bytes().startswith(b"\x89PNG") and out.stat().st_size > 20_000
+
+
+def test_mfu_peak_is_the_cards_dense_bf16_peak() -> None:
+    """The PCIe and NVL cards of a chip have lower peaks than its SXM ones: an H100 PCIe's MFU taken
+    against the SXM's 989 TFLOP/s read 24% low."""
+    from train import peak_bf16_flops
+
+    assert peak_bf16_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_bf16_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_bf16_flops("NVIDIA H100 NVL") == 835e12
+    assert peak_bf16_flops("NVIDIA H200 NVL") == 835e12
+    assert peak_bf16_flops("NVIDIA H200") == 989e12
+    assert peak_bf16_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_bf16_flops("NVIDIA GeForce RTX 4090") is None
