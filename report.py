@@ -33,10 +33,11 @@ def environment() -> dict[str, str]:
 
 
 def markdown_table(rows: Sequence[dict[str, object]]) -> str:
-    """Rows of equal keys as a markdown table; floats printed with 4 significant digits."""
+    """Rows as a markdown table, a column per key of any row (in the order they first appear; a row
+    without one leaves its cell empty); floats printed with 4 significant digits."""
     if not rows:
         return "(no rows)\n"
-    keys = list(rows[0].keys())
+    keys = list(dict.fromkeys(key for row in rows for key in row))
 
     def fmt(v: object) -> str:
         return f"{v:.4g}" if isinstance(v, float) else str(v)

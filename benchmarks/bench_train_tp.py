@@ -200,7 +200,7 @@ def main() -> None:
     loss_rows, diffs = compare_losses(losses)
     if losses:
         column = f"max loss diff vs {next(iter(losses))}"
-        for row in rows:  # every row: the table's header is the first row's keys
+        for row in rows:  # None for a path that did not run
             row[column] = diffs.get(row["comm"])
     if dist.get_rank() == 0:
         switches = [
