@@ -111,7 +111,12 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     done = [
         p for p in root.iterdir() if p.name.startswith(STEP_PREFIX) and p.name[len(STEP_PREFIX) :].isdigit()
     ]
-    return sorted(done, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
+    return sorted(done, key=checkpoint_step)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step of a checkpoint directory (step_00000100 -> 100)."""
+    return int(path.name[len(STEP_PREFIX) :])
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -214,7 +219,10 @@ def save_checkpoint(
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(root)
-    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+    # Checkpoints of later steps are those a resume skipped as unreadable: counted among the newest,
+    # they would have the one just written pruned.
+    done = [p for p in list_checkpoints(run_dir) if checkpoint_step(p) <= step]
+    for old in done[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
 

@@ -156,6 +156,23 @@ def test_keep_prunes_old_checkpoints(tmp_path: Path) -> None:
     assert latest_checkpoint(tmp_path / "no-run") is None
 
 
+def test_keep_never_prunes_the_checkpoint_just_written(tmp_path: Path) -> None:
+    """A resume that skipped an unreadable newest checkpoint (step 10) saves earlier steps again: the
+    checkpoint it writes is the newest good one and stays, however many `keep` allows."""
+    model = tiny_model()
+    for step in (5, 10):
+        save_checkpoint(tmp_path, step, model, keep=2)
+    broken = tmp_path / "checkpoints" / "step_00000010" / "model.safetensors"
+    broken.write_bytes(broken.read_bytes()[:100])
+    save_checkpoint(tmp_path, 6, model, keep=1)
+    assert [p.name for p in sorted((tmp_path / "checkpoints").iterdir())] == [
+        "step_00000006",
+        "step_00000010",
+    ]
+    path, meta = load_newest_intact(tmp_path, lambda p: load_checkpoint(p, tiny_model()))
+    assert path.name == "step_00000006" and meta["step"] == 6
+
+
 def test_other_shape_fails_clearly(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, 1, tiny_model())
     with pytest.raises(ValueError, match=r"ffn_hidden: saved 48 vs configured 64"):
