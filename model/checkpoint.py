@@ -344,6 +344,8 @@ def load_checkpoint(
     """Restore model, optimizer, scheduler and RNG from `path`; returns meta.json's contents. Every
     file is read before anything is restored (an unreadable one raises UnreadableCheckpoint)."""
     path = Path(path)
+    if not (path / "meta.json").is_file():  # as a missing weights file: the checkpoint before it is used
+        raise UnreadableCheckpoint(f"cannot read {path / 'meta.json'}: the file is missing")
     meta = read_meta(path)
     weights = load_model_state(path)
     train = read_tensors(path / "train_state.safetensors")

@@ -250,6 +250,24 @@ def test_unreadable_file_is_named_and_skipped(
         assert torch.equal(other.state_dict()[name], tensor), name
 
 
+@pytest.mark.parametrize("missing", ["model.safetensors", "train_state.safetensors", "meta.json"])
+def test_missing_file_is_named_and_skipped(
+    tmp_path: Path, missing: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = tiny_model()
+    optimizer, scheduler = build_optimizer(model)
+    save_checkpoint(tmp_path, 1, model, optimizer, scheduler, data_state={"step": 1})
+    newest = save_checkpoint(tmp_path, 2, model, optimizer, scheduler, data_state={"step": 2})
+    (newest / missing).unlink()
+    other = tiny_model()
+    other_optimizer, other_scheduler = build_optimizer(other)
+    path, meta = load_newest_intact(
+        tmp_path, lambda p: load_checkpoint(p, other, other_optimizer, other_scheduler)
+    )
+    assert path.name == "step_00000001" and meta["step"] == 1
+    assert f"cannot read {newest / missing}" in caplog.text
+
+
 def test_no_readable_checkpoint_names_each_one(tmp_path: Path) -> None:
     for step in (1, 2):
         path = save_checkpoint(tmp_path, step, tiny_model())
