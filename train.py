@@ -35,7 +35,7 @@ from configs.launch import command_line_overrides, launch, user_errors
 from configs.schema import TrainConfig
 from configs.validate import check_shape_overrides, validate_train_config
 from model.args import ModelArgs
-from model.checkpoint import load_checkpoint, load_newest_intact, save_checkpoint
+from model.checkpoint import CheckpointWriteError, load_checkpoint, load_newest_intact, save_checkpoint
 from model.data import PackedDataset, build_dataset, load_documents
 from model.hf import export_hf
 from model.llama import Llama
@@ -239,17 +239,39 @@ def save_run_checkpoint(
     cfg: TrainConfig,
     sharded: bool,
     hf_tokenizer: bool,
-) -> None:
+) -> CheckpointWriteError | None:
     """Save `step` (collective): a sharded model is gathered by every rank to full tensors and rank 0
-    writes them (the layout-free format); data parallel ranks hold identical state and rank 0 saves."""
+    writes them (the layout-free format); data parallel ranks hold identical state and rank 0 saves.
+    Returns rank 0's write error (a full disk) on rank 0; the other ranks learn that there was one."""
     config = OmegaConf.to_container(cfg, resolve=True)  # what the training was told, kept in meta.json
     state = (run_dir, step, model, optimizer, scheduler, dataset.state_dict())
-    if sharded:
-        save_parallel_checkpoint(*state, cfg.checkpoint.keep, config, hf_tokenizer)
-    elif distributed.rank() == 0:
-        save_checkpoint(*state, keep=cfg.checkpoint.keep, config=config, hf_tokenizer=hf_tokenizer)
-    if dist.is_initialized():
-        dist.barrier()
+    error = None
+    try:
+        if sharded:
+            save_parallel_checkpoint(*state, cfg.checkpoint.keep, config, hf_tokenizer)
+        elif distributed.rank() == 0:
+            save_checkpoint(*state, keep=cfg.checkpoint.keep, config=config, hf_tokenizer=hf_tokenizer)
+    except CheckpointWriteError as err:
+        error = err
+    if dist.is_initialized():  # also the barrier that waits for rank 0's write
+        failed = torch.tensor([error is not None], dtype=torch.int32)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item() and error is None:
+            error = CheckpointWriteError("rank 0 could not save the checkpoint")
+    return error
+
+
+def kept_checkpoint(run_dir: Path, last_saved: int) -> str:
+    """What a run stopped by an error keeps: its last checkpoint (step `last_saved`), if any."""
+    if last_saved == 0:
+        return "no checkpoint was saved before it"
+    return f"the last good checkpoint (step {last_saved}) is kept in {run_dir / 'checkpoints'}"
+
+
+def launch_resume_command(run_dir: Path) -> str:
+    """The command that resumes this launch (a job of a multirun sweep: that job alone)."""
+    sweep_job = command_line_overrides() if HydraConfig.get().mode == RunMode.MULTIRUN else None
+    return resume_command(run_dir, sweep_job)
 
 
 def export_run(
@@ -421,11 +443,7 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
                 )
             except NonFiniteStep as err:
                 # Every rank sees the same averaged loss and stops here; rank 0 says why.
-                kept = (
-                    f"the last good checkpoint (step {last_saved}) is kept in {run_dir / 'checkpoints'}"
-                    if last_saved > 0
-                    else "no checkpoint was saved before it"
-                )
+                kept = kept_checkpoint(run_dir, last_saved)
                 why = f"{err} at step {step}: stopping; {kept}. Lower training.lr or check the data"
                 raise SystemExit(why if rank == 0 else 1) from None
             launch_record.trained = True
@@ -441,9 +459,15 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
             every = cfg.checkpoint.every
             if last_of_launch or (every > 0 and step % every == 0):
                 sharded_save = mesh is not None
-                save_run_checkpoint(
+                error = save_run_checkpoint(
                     run_dir, step, model, optimizer, scheduler, dataset, cfg, sharded_save, hf_tokenizer
                 )
+                if error is not None:  # every rank stops; rank 0 says why and how to go on
+                    why = (
+                        f"{error}: stopping; {kept_checkpoint(run_dir, last_saved)}. Free space "
+                        f"and resume with: {launch_resume_command(run_dir)}"
+                    )
+                    raise SystemExit(why if rank == 0 else 1)
                 last_saved = step
             if last_of_launch:
                 break
@@ -452,8 +476,7 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
         last = f"last loss {record['loss']:.4f}"  # as the step's line rounds it
         log.info(f"{why}stopped at step {step}, {last}; run directory {shown(run_dir)}")
         if step < t.steps:
-            sweep_job = command_line_overrides() if HydraConfig.get().mode == RunMode.MULTIRUN else None
-            log.info(f"checkpoint of step {step} saved; resume with: {resume_command(run_dir, sweep_job)}")
+            log.info(f"checkpoint of step {step} saved; resume with: {launch_resume_command(run_dir)}")
     if cfg.checkpoint.export_hf and step == t.steps:
         export_run(model, args, run_dir, tokenizer, mesh is not None)
     if interrupted:

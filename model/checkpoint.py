@@ -44,6 +44,11 @@ class UnreadableCheckpoint(ValueError):
     """A checkpoint file that is missing, truncated or corrupt (the message names it)."""
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint that could not be written (a full disk, a quota, an I/O error; the message names the
+    cause): its partial files are removed, the checkpoints before it are untouched."""
+
+
 def read_tensors(file: Path) -> dict[str, torch.Tensor]:
     """A safetensors file's tensors, or UnreadableCheckpoint naming the file."""
     try:
@@ -187,34 +192,39 @@ def save_checkpoint(
     is not served with the wrong one. Call it from one process per run directory
     (rank 0): temporary directories of other saves count as crashed."""
     root = checkpoint_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{STEP_PREFIX}{step:08d}"
-    # One process saves a run: a temporary directory left here is a save that crashed; remove it.
-    for stale in root.glob(f"{STEP_PREFIX}*.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f"{final.name}.tmp-{os.getpid()}"
-    tmp.mkdir()
-    save_tensors(model_state(model), tmp / "model.safetensors")
-    train_tensors = rng_tensors()
-    meta: dict[str, Any] = {
-        "format_version": FORMAT_VERSION,
-        "step": step,
-        "model_args": dataclasses.asdict(model.args) if hasattr(model, "args") else None,
-        "data": data_state,
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "python_rng": random.getstate(),
-        "config": config,
-        "tokenizer": "huggingface" if hf_tokenizer else "bytes",
-    }
-    if optimizer is not None:
-        tensors, meta["optimizer"] = optimizer_tensors(optimizer)
-        train_tensors.update(tensors)
-    save_tensors(train_tensors, tmp / "train_state.safetensors")
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    for file in tmp.iterdir():
-        with open(file, "rb") as handle:
-            os.fsync(handle.fileno())
-    _fsync_dir(tmp)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        # One process saves a run: a temporary directory left here is a save that crashed; remove it.
+        for stale in root.glob(f"{STEP_PREFIX}*.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+        save_tensors(model_state(model), tmp / "model.safetensors")
+        train_tensors = rng_tensors()
+        meta: dict[str, Any] = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "model_args": dataclasses.asdict(model.args) if hasattr(model, "args") else None,
+            "data": data_state,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "python_rng": random.getstate(),
+            "config": config,
+            "tokenizer": "huggingface" if hf_tokenizer else "bytes",
+        }
+        if optimizer is not None:
+            tensors, meta["optimizer"] = optimizer_tensors(optimizer)
+            train_tensors.update(tensors)
+        save_tensors(train_tensors, tmp / "train_state.safetensors")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        for file in tmp.iterdir():
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
+        _fsync_dir(tmp)
+    except (OSError, SafetensorError) as err:
+        # A full disk or a quota: the partial files would hold space that the next save needs.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(f"cannot save the checkpoint of step {step} in {root}: {err}") from err
     if final.exists():  # re-saving the same step: the old copy goes only once the new one is complete
         shutil.rmtree(final)
     os.replace(tmp, final)

@@ -5,6 +5,7 @@ train.log, the console, TensorBoard and the plot."""
 
 import json
 import os
+import resource
 import shlex
 import shutil
 import signal
@@ -359,6 +360,30 @@ def test_truncated_checkpoint_falls_back_to_the_one_before(tmp_path: Path, strai
     assert f"resuming from {tmp_path}/checkpoints/step_00000050" in resumed.stdout
     assert metric_steps(tmp_path) == list(range(1, STEPS + 1))
     assert losses(tmp_path)[STEPS] == losses(straight)[STEPS]
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_with_one_line(tmp_path: Path) -> None:
+    """A save that fails to write (here past a file size limit, as on a full disk) stops the run with one
+    line naming the checkpoint kept and the command that resumes, and leaves no partial files."""
+    short = [*TINY, CPU, "training.steps=6", "checkpoint.every=3", f"hydra.run.dir={tmp_path}"]
+    first = run_script("train.py", *short, "training.stop_at=3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    kept = tmp_path / "checkpoints" / "step_00000003"
+    limit = (kept / "model.safetensors").stat().st_size // 2
+
+    def limit_file_size() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    done = subprocess.run(
+        [sys.executable, "train.py", *short], cwd=ROOT, env=environment(), capture_output=True, text=True,
+        preexec_fn=limit_file_size, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 1
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"cannot save the checkpoint of step 6 in {tmp_path / 'checkpoints'}: ")
+    assert f"the last good checkpoint (step 3) is kept in {tmp_path / 'checkpoints'}" in line
+    assert " train.py " in line.split("resume with: ")[1] and line.endswith(f"hydra.run.dir={tmp_path}")
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [kept.name]
 
 
 def test_failed_launch_leaves_no_run_directory(tmp_path: Path) -> None:
