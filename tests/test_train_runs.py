@@ -132,6 +132,22 @@ def test_sigint_saves_prints_resume_command_and_resumes_exactly(tmp_path: Path, 
     assert losses(run_dir)[STEPS] == losses(straight)[STEPS]
 
 
+def test_printed_command_resumes_a_run_directory_with_spaces_and_accents(tmp_path: Path) -> None:
+    run_dir = tmp_path / "my runs" / "été 1"
+    short = [*TINY, CPU, "training.steps=4", "checkpoint.every=0"]
+    first = run_script("train.py", *short, "training.stop_at=2", f"hydra.run.dir='{run_dir}'")
+    assert first.returncode == 0, first.stderr[-3000:]
+    (command,) = [
+        line.split("resume with: ", 1)[1] for line in first.stdout.splitlines() if "resume with: " in line
+    ]
+    resumed = subprocess.run(
+        shlex.split(command), cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {run_dir}/checkpoints/step_00000002" in resumed.stdout
+    assert metric_steps(run_dir) == [1, 2, 3, 4]
+
+
 def test_multirun_job_prints_a_command_that_resumes_it(tmp_path: Path) -> None:
     """A job of a sweep stopped early names its own values (the sweep's command line would start a new
     sweep, every job from step 0)."""

@@ -16,6 +16,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+
 from model.checkpoint import list_checkpoints
 from model.tokenizer import HF_TOKENIZER_FILES
 
@@ -90,7 +93,18 @@ def resume_command(run_dir: Path, sweep_job: Sequence[str] | None = None) -> str
         launcher = ["torchrun", *nodes, f"--nproc_per_node={local}"]
     else:
         launcher = [shown(Path(sys.executable))]
-    return shlex.join([*launcher, sys.argv[0], *overrides, f"hydra.run.dir={shown(run_dir)}"])
+    return shlex.join([*launcher, sys.argv[0], *overrides, f"hydra.run.dir={hydra_value(shown(run_dir))}"])
+
+
+def hydra_value(text: str) -> str:
+    """`text` as an override's value that Hydra reads back as this string: in Hydra's single quotes
+    where it has characters Hydra parses otherwise (spaces, non-ASCII letters, brackets, commas)."""
+    try:
+        if OverridesParser.create().parse_override(f"key={text}").value() == text:
+            return text
+    except HydraException:  # (what it says of a non-ASCII letter)
+        pass
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def trained_any(run_dir: Path) -> bool:
