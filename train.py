@@ -60,7 +60,15 @@ from parallel.parallelize import (
 )
 from training.interrupt import StopRequest
 from training.metrics import MetricsLog, require_tensorboard
-from training.records import LaunchRecord, data_parallel_change, resume_changes, resume_command, shown
+from training.records import (
+    LaunchRecord,
+    RunDirectoryInUse,
+    data_parallel_change,
+    resume_changes,
+    resume_command,
+    run_directory_lock,
+    shown,
+)
 
 log = logging.getLogger("train")
 
@@ -490,11 +498,12 @@ def main(cfg: TrainConfig) -> None:
     launch_record = LaunchRecord(run_dir, hydra_config.output_subdir)
     with user_errors():
         try:
-            with StopRequest() as stop:
+            with StopRequest() as stop, run_directory_lock(run_dir):
                 run(cfg, run_dir, launch_record, stop)
-        except BaseException:
+        except BaseException as err:
             if not launch_record.trained:
-                launch_record.forget(writer=distributed.rank() == 0)
+                in_use = isinstance(err, RunDirectoryInUse)
+                launch_record.forget(writer=distributed.rank() == 0, in_use=in_use)
             raise
 
 

@@ -3,6 +3,7 @@ resumes log each step once, a changed schedule is refused unless allowed, an unr
 skipped for the one before it, failed launches leave nothing behind, and the step lines reach
 train.log, the console, TensorBoard and the plot."""
 
+import fcntl
 import json
 import os
 import resource
@@ -400,6 +401,25 @@ def test_a_checkpoint_that_cannot_be_written_stops_with_one_line(tmp_path: Path)
     assert f"the last good checkpoint (step 3) is kept in {tmp_path / 'checkpoints'}" in line
     assert " train.py " in line.split("resume with: ")[1] and line.endswith(f"hydra.run.dir={tmp_path}")
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == [kept.name]
+
+
+@pytest.mark.parametrize("torchrun", [0, 2])
+def test_a_second_launch_into_a_run_directory_in_use_is_refused(tmp_path: Path, torchrun: int) -> None:
+    """While a launch holds the run directory (here still setting up: nothing trained yet), another one
+    into it is refused with one line and leaves the first launch's files as they were."""
+    (tmp_path / "launches" / "first").mkdir(parents=True)
+    (tmp_path / "train.log").write_text("the first launch's log\n")
+    with open(tmp_path / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = run_script(
+            "train.py", *TINY, CPU, "training.steps=2", f"hydra.run.dir={tmp_path}", torchrun=torchrun
+        )
+    assert done.returncode == 1
+    said = f"{tmp_path} is in use by another launch training there: wait for it to end, or choose another"
+    assert said in done.stderr and done.stderr.count(said) == 1, done.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "launches", "train.log"]
+    assert [p.name for p in (tmp_path / "launches").iterdir()] == ["first"]
+    assert (tmp_path / "train.log").read_text().startswith("the first launch's log\n")
 
 
 def test_failed_launch_leaves_no_run_directory(tmp_path: Path) -> None:

@@ -8,19 +8,24 @@ step leaves nothing behind: its record is removed, and so is a run directory tha
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shlex
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
 from model.checkpoint import list_checkpoints
 from model.tokenizer import HF_TOKENIZER_FILES
+from parallel import distributed
 
 # Values that define the learning-rate schedule and the optimizer's hyper-parameters: a checkpoint's
 # optimizer state was built with them, so a resume that changes them must be asked for
@@ -32,8 +37,10 @@ RECIPE_KEYS = (
     "data.path",
     "data.jsonl_field",
 )
+# Held by the launch training in a run directory (`run_directory_lock`).
+LOCK_FILE = ".lock"
 # What weft writes in a run directory before any step is trained.
-PRE_TRAINING_FILES = ("train.log", "metrics.jsonl", "tensorboard", "launches", *HF_TOKENIZER_FILES)
+PRE_TRAINING_FILES = ("train.log", "metrics.jsonl", "tensorboard", "launches", LOCK_FILE, *HF_TOKENIZER_FILES)
 
 
 def _value(config: Any, dotted: str) -> Any:
@@ -107,6 +114,41 @@ def hydra_value(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
+class RunDirectoryInUse(ValueError):
+    """Another launch holds the run directory."""
+
+
+@contextmanager
+def run_directory_lock(run_dir: Path) -> Iterator[None]:
+    """Hold the run directory for this launch: another launch into it meanwhile is refused
+    (RunDirectoryInUse) rather than both training, each resuming from and pruning the other's
+    checkpoints. Rank 0 holds an flock on <run dir>/.lock (released however the process ends) and every
+    rank learns the answer; a file system without flock goes unguarded."""
+    handle, busy = None, False
+    if distributed.rank() == 0:
+        handle = open(run_dir / LOCK_FILE, "a")  # noqa: SIM115 (closed below)
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            busy = True
+        except OSError:
+            pass
+    if dist.is_initialized():
+        flag = torch.tensor([int(busy)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        busy = bool(flag.item())
+    try:
+        if busy:
+            raise RunDirectoryInUse(
+                f"{shown(run_dir)} is in use by another launch training there: wait for it to end, or "
+                "choose another hydra.run.dir"
+            )
+        yield
+    finally:
+        if handle is not None:
+            handle.close()
+
+
 def trained_any(run_dir: Path) -> bool:
     metrics = run_dir / "metrics.jsonl"
     return bool(list_checkpoints(run_dir)) or (metrics.is_file() and metrics.stat().st_size > 0)
@@ -121,9 +163,10 @@ class LaunchRecord:
         self.files = run_dir / subdir if subdir else None
         self.trained = False
 
-    def forget(self, writer: bool = True) -> None:
+    def forget(self, writer: bool = True, in_use: bool = False) -> None:
         """Undo a launch that failed before its first step: remove its record and, if the run
-        directory never trained, weft's files there and the directory itself when nothing else is.
+        directory never trained, weft's files there and the directory itself when nothing else is
+        (`in_use`: refused for a run directory another launch holds, whose files those are).
         Under torchrun only the writer (rank 0) removes files; every rank removes the run directory if
         it is empty (Hydra makes it on each rank, and a peer may make it after rank 0 removed it)."""
         if not writer:
@@ -132,7 +175,7 @@ class LaunchRecord:
         if self.files is not None:
             shutil.rmtree(self.files, ignore_errors=True)
             _remove_if_empty(self.files.parent)
-        if trained_any(self.run_dir):
+        if in_use or trained_any(self.run_dir):
             return
         for name in PRE_TRAINING_FILES:
             path = self.run_dir / name
