@@ -31,9 +31,15 @@ class UserError(BaseException):
     job runner, which would print 'Error executing job ...' before the traceback."""
 
 
+# Whether a Hydra task function has started: an OSError before it is Hydra making the run directory.
+_task_started = False
+
+
 @contextmanager
 def user_errors() -> Iterator[None]:
     """The body of train.py's and serve.py's Hydra task function runs inside this."""
+    global _task_started
+    _task_started = True
     try:
         yield
     except USER_ERRORS as err:
@@ -103,6 +109,15 @@ def launch(main: Callable[[], None]) -> None:
         error = err.__cause__
     except USER_ERRORS as err:  # Hydra's config errors, raised before the task function runs
         error = err
+    except OSError as err:
+        if _task_started:
+            distributed.shutdown()
+            raise
+        error = ValueError(
+            f"cannot make the run directory {err.filename}: {err.strerror}; set hydra.run.dir to a "
+            "directory you can write"
+        )
+        error.__cause__ = err
     except (AssertionError, AttributeError) as err:
         # OmegaConf cannot merge into a structured setting that is null (debug's model.rope_scaling):
         # its assertion is no bug of the user's command, but the command can be changed.

@@ -213,6 +213,16 @@ def test_script_prints_one_error_line(tmp_path: Path, script: str, overrides: li
     assert_one_error_line(done, text)
 
 
+@pytest.mark.parametrize("under", ["", "sub"])
+def test_run_directory_that_cannot_be_made(tmp_path: Path, under: str) -> None:
+    """hydra.run.dir naming a file (or a path under one): Hydra fails to make it, before weft's task."""
+    file = tmp_path / "a_file"
+    file.write_text("")
+    done = run_script("train.py", "device=cpu", f"hydra.run.dir={file / under if under else file}")
+    assert_one_error_line(done, f"cannot make the run directory {file}")
+    assert "set hydra.run.dir to a directory you can write" in done.stderr
+
+
 @pytest.mark.skipif(
     (memory.available_memory(torch.device("cpu")) or 0) > 140 * GIB, reason="this host could train llama3_8b"
 )
