@@ -28,7 +28,10 @@ def environment() -> dict[str, str]:
         pass
     if torch.cuda.is_available():
         env["cuda"] = str(torch.version.cuda)
-        env["gpus"] = str(torch.cuda.device_count())
+        # The GPUs the run used (its ranks, one each), not those the node has: a one-GPU benchmark on
+        # an eight-GPU node says 1, as its file name does.
+        ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        env["gpus"] = str(ranks)
     return env
 
 

@@ -29,6 +29,7 @@ from benchmarks.common import (
     device_name,
     init_gpu_ranks,
     positive,
+    pyplot,
     slowest,
     time_graph,
     write_results,
@@ -42,7 +43,10 @@ KiB, MiB = 1 << 10, 1 << 20
 
 
 def label(nbytes: int) -> str:
-    return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // KiB} KiB"
+    for unit, name in ((MiB, "MiB"), (KiB, "KiB")):
+        if nbytes >= unit and nbytes % unit == 0:
+            return f"{nbytes // unit} {name}"
+    return f"{nbytes} B"  # (a --min-size that is no power of two: whole units would misname it)
 
 
 def timed(fn, calls: int, replays: int) -> float:
@@ -205,11 +209,7 @@ def main() -> None:
 
 
 def plot(rows: list[dict], sizes: list[int], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for key, style in [
         ("auto us", "o-"),

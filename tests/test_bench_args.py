@@ -329,3 +329,10 @@ def test_result_table_has_every_rows_columns() -> None:
         "| symm_mem | unavailable: no peer access |  |  |",
         "| torch | ok | 62.8 | 0.3104 |",
     ]
+
+
+def test_all_reduce_size_labels_name_the_size() -> None:
+    """Sizes that are no whole KiB or MiB (a --min-size that is no power of two) keep their bytes."""
+    from benchmarks.bench_all_reduce import label
+
+    assert [label(n) for n in (4096, 3 << 20, 1536, 3000)] == ["4 KiB", "3 MiB", "1536 B", "3000 B"]
