@@ -186,11 +186,13 @@ def save_checkpoint(
     config: dict[str, Any] | None = None,
     hf_tokenizer: bool = False,
 ) -> Path:
-    """Write the checkpoint of `step` atomically and keep only the newest `keep` ones; `config` (the
-    run's config as plain values) is kept in meta.json, and whether the run trained on a Hugging Face
-    tokenizer (kept in the run directory) rather than bytes, so that a checkpoint moved out of its run
-    is not served with the wrong one. Call it from one process per run directory
-    (rank 0): temporary directories of other saves count as crashed."""
+    """Write the checkpoint of `step` atomically and keep only the newest `keep` of those up to `step`
+    (a later one is one a resume skipped as unreadable, left as it is); `config` (the run's config as
+    plain values) is kept in meta.json, and whether the run trained on a Hugging Face tokenizer (kept in
+    the run directory) rather than bytes, so that a checkpoint moved out of its run is not served with
+    the wrong one. A write that fails (a full disk) raises CheckpointWriteError, its partial files
+    removed. Call it from one process per run directory (rank 0): temporary directories of other saves
+    count as crashed."""
     root = checkpoint_dir(run_dir)
     final = root / f"{STEP_PREFIX}{step:08d}"
     tmp = root / f"{final.name}.tmp-{os.getpid()}"
