@@ -82,7 +82,8 @@ def check_shape_overrides(overrides: Sequence[str], weights_key: str) -> None:
     if shape:
         raise ValueError(
             f"{weights_key} gives the model's shape, so {', '.join(shape)} would be ignored: drop "
-            f"{'it' if len(shape) == 1 else 'them'} (of model.*, only {' and '.join(RUN_CHOICES)} apply)"
+            f"{'it' if len(shape) == 1 else 'them'} (of model.*, only serve.py's decode choices "
+            f"{' and '.join(RUN_CHOICES)} may be set)"
         )
 
 

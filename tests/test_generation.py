@@ -525,7 +525,8 @@ def test_init_from_checks_seq_len_against_the_checkpoint(tmp_path: Path) -> None
     )  # fmt: skip
     said = (
         "checkpoint.init_from gives the model's shape, so model=llama3_8b, model.n_layers=2 would be "
-        "ignored: drop them (of model.*, only model.fp8 and model.decode_kernels apply)\n"
+        "ignored: drop them (of model.*, only serve.py's decode choices model.fp8 and model.decode_kernels "
+        "may be set)\n"
     )
     assert refused.returncode != 0 and said in refused.stdout + refused.stderr
     assert not run.exists()
