@@ -242,6 +242,10 @@ class TextStream:
         self.tokenizer = tokenizer
         self.ids = list(prompt_ids)
         self.prefix_start = max(0, len(self.ids) - self.CONTEXT)
+        # Not inside the prompt's closing run of byte-fallback tokens: decoded from mid-character, the
+        # run is invalid UTF-8 and all U+FFFDs, with whatever bytes of the completion continue it.
+        while self.prefix_start > 0 and self.ids[self.prefix_start - 1] in tokenizer.byte_fallback_ids:
+            self.prefix_start -= 1
         self.read_start = len(self.ids)
 
     def _pending(self) -> str:

@@ -224,6 +224,19 @@ def test_text_stream_pieces_join_to_the_decoded_completion(tmp_path: Path) -> No
     assert truncated.flush() == "\ufffd"
 
 
+def test_text_stream_continues_a_prompt_ending_in_byte_fallback(tmp_path: Path) -> None:
+    """A prompt whose last characters are byte-fallback tokens (CJK on Llama-2), then a completion
+    that goes on in bytes: its characters are printed, not the U+FFFDs of the prompt's run decoded from
+    the middle of a character."""
+    sentencepiece = HFTokenizer(write_tokenizer_dir(tmp_path / "sp", "llama2_bos"))
+    prompt = sentencepiece.encode_prompt("日本")
+    assert set(prompt[-6:]) <= sentencepiece.byte_fallback_ids
+    completion = [sentencepiece.tokenizer.token_to_id(f"<0x{b:02X}>") for b in "語".encode()]
+    stream = TextStream(sentencepiece, prompt)
+    streamed = "".join(stream.push(token) for token in completion) + stream.flush()
+    assert streamed == sentencepiece.decode(prompt + completion)[len("日本") :] == "語"
+
+
 def test_sampling_filters_as_transformers_warpers() -> None:
     from transformers.generation import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
