@@ -5,11 +5,13 @@ A user error is a bad value, key, preset, file or layout: a ValueError raised wi
 what to change (weft's convention), a missing file, a comm path that cannot run here, or one of
 Hydra's config errors. It prints as one line on stderr, once for all ranks, and exits with status 1;
 HYDRA_FULL_ERROR=1 shows its traceback instead. Any other exception is a bug and keeps its traceback.
+Ctrl-C that reaches the entry point (serve.py; train.py stops by itself) prints one line and exits 130.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -125,6 +127,13 @@ def launch(main: Callable[[], None]) -> None:
         if error is None:
             distributed.shutdown()
             raise
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every rank (from the terminal, and again from torchrun): one line, not a
+        # traceback per rank, and the shell's code for it. The peers may be gone: no meeting.
+        if distributed.rank() == 0:
+            print("\nSIGINT: stopped", file=sys.stderr, flush=True)
+        distributed.shutdown()
+        raise SystemExit(128 + signal.SIGINT) from None
     except BaseException:
         distributed.shutdown()  # no meeting: the peers may never get there
         raise

@@ -2,6 +2,7 @@
 schemas are strict, and each error prints as one line once (under torchrun too), with the traceback
 only under HYDRA_FULL_ERROR=1; a model too large for the device's memory is refused the same way."""
 
+import signal
 import sys
 from pathlib import Path
 
@@ -252,3 +253,26 @@ def test_torchrun_prints_the_error_once(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert done.stderr.count("training.steps=0 must be >= 1") == 1, done.stderr[-3000:]
     assert "[rank" not in done.stderr
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_ctrl_c_while_serving_stops_with_one_line(tmp_path: Path, ranks: int) -> None:
+    """Ctrl-C during a completion (on every rank, as the terminal and torchrun deliver it) stops with
+    one line and the shell's code for SIGINT, not a KeyboardInterrupt traceback per rank."""
+    script = tmp_path / "interrupted_serve.py"
+    script.write_text(
+        "import runpy, signal, sys\n"
+        "from model.generate import DecodeStep\n"
+        "def interrupted(self, tokens, pos):\n"
+        "    signal.raise_signal(signal.SIGINT)\n"
+        "DecodeStep.__call__ = interrupted\n"
+        "sys.argv = ['serve.py', *sys.argv[1:]]\n"
+        f"runpy.run_path({str(ROOT / 'serve.py')!r}, run_name='__main__')\n"
+    )
+    overrides = ["mode=generate", "device=cpu", f"hydra.run.dir={tmp_path / 'run'}", f"parallel.tp={ranks}"]
+    done = run_script(str(script), *overrides, torchrun=ranks if ranks > 1 else 0)
+    if ranks == 1:
+        assert done.returncode == 128 + signal.SIGINT, done.stderr[-3000:]
+        assert done.stderr.strip() == "SIGINT: stopped", done.stderr[-3000:]
+    assert done.stderr.count("SIGINT: stopped") == 1, done.stderr[-3000:]
+    assert "KeyboardInterrupt" not in done.stderr and "[rank" not in done.stderr, done.stderr[-3000:]
