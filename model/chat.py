@@ -39,7 +39,9 @@ def read_messages(path: str | Path) -> list[dict]:
     if not file.is_file():
         raise ValueError(f"messages={path}: no such file; give a JSON file holding a list of messages")
     try:
-        messages = json.loads(file.read_text())
+        messages = json.loads(file.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"messages={path} is not UTF-8 text ({err}): save it as UTF-8") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"messages={path} is not valid JSON ({err})") from None
     if (

@@ -341,6 +341,11 @@ def test_generate_inputs_are_checked_before_the_model_is_built(tmp_path: Path) -
     messages.write_text(json.dumps({"role": "user"}))
     with pytest.raises(ValueError, match=r"must hold a non-empty JSON list"):
         prepare_completion(serve_config(str(hf), messages=str(messages)), hf, args)
+    messages.write_bytes('[{"role": "user", "content": "café"}]'.encode("latin-1"))
+    with pytest.raises(
+        ValueError, match=r"^messages=.*messages\.json is not UTF-8 text \(.*\): save it as UTF"
+    ):
+        prepare_completion(serve_config(str(hf), messages=str(messages)), hf, args)
     messages.write_text(json.dumps(MESSAGES))
     with pytest.raises(
         ValueError, match=r"messages= is set but .* has no chat template: .*\(without messages=\)"
