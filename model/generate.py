@@ -46,7 +46,8 @@ def sample_logits(
     """Logits [B, V] / temperature (> 0), -inf outside the top_k most likely tokens and then outside
     top_p: transformers' warpers in its order and with its rules (ties at the k-th logit kept; top-p
     keeps the most likely token and drops the least likely ones whose probabilities sum to <= 1 - top_p)."""
-    logits = logits.float() / temperature
+    # Kept within float32's range: a smaller temperature would be 0 there, and 0 / 0 NaN.
+    logits = logits.float() / max(temperature, torch.finfo(torch.float32).tiny)
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
