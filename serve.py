@@ -325,7 +325,7 @@ def stream_completion(model: Llama, completion: Completion, cfg: ServeConfig, de
 
 def run(cfg: ServeConfig, run_dir: Path) -> None:
     validate_serve_config(cfg)
-    check_mode_overrides(cfg.mode, command_line_overrides())
+    check_mode_overrides(cfg.mode, command_line_overrides(), cfg.messages)
     device = distributed.resolve_device(cfg.device)
     dims = distributed.validate_parallel(cfg.parallel, distributed.world_size(), device)
     validate_comm_ops(dims, training=False)

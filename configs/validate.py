@@ -94,11 +94,17 @@ MODE_KEYS = {
 }
 
 
-def check_mode_overrides(mode: str, overrides: Sequence[str]) -> None:
+def check_mode_overrides(mode: str, overrides: Sequence[str], messages: str | None = None) -> None:
     """A command line that sets a key only the other mode reads (prompt=... without mode=generate) is
-    refused, not silently run as the other mode."""
+    refused, not silently run as the other mode; so is a prompt beside `messages`, which replaces it."""
     other = next(name for name in MODE_KEYS if name != mode)
     ignored = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] in MODE_KEYS[other]]
+    prompts = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] == "prompt"]
+    if mode == "generate" and messages is not None and prompts:
+        raise ValueError(
+            f"messages={messages} sends the file's conversation instead of the prompt, so {prompts[-1]} "
+            "would be ignored: drop it, or add it to the file as the last user message"
+        )
     if ignored:
         raise ValueError(
             f"mode={mode} ignores {', '.join(ignored)} (mode={other} reads "

@@ -452,8 +452,8 @@ def test_serve_chat_matches_transformers(tmp_path: Path, kind: str, tp: int) -> 
     checkpoint, text, _ = hf_checkpoint(tmp_path / "hf", kind, "Hello naïve fox", chat=True)
     messages = tmp_path / "messages.json"
     messages.write_text(json.dumps([{"role": "user", "content": "Hello naïve fox"}]))
-    source = "chat=true" if tp == 1 else f"messages={messages}"
-    done = serve(checkpoint, tmp_path / "run", "prompt='Hello naïve fox'", source, tp=tp)
+    source = ["chat=true", "prompt='Hello naïve fox'"] if tp == 1 else [f"messages={messages}"]
+    done = serve(checkpoint, tmp_path / "run", *source, tp=tp)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout == text + "\n"
 
