@@ -37,13 +37,16 @@ class MemoryEstimate:
         return f"about {self.total / GIB:.1f} GiB per rank ({parts} GiB)"
 
 
-def block_activation_elements(args: ModelArgs) -> int:
-    """Elements one transformer block saves for its backward, per token: the norms' inputs and outputs,
+def block_activation_bytes(args: ModelArgs, activation_bytes: int) -> int:
+    """Bytes one transformer block saves for its backward, per token: the norms' inputs and outputs,
     q/k/v before and after the rotary embedding, the attention output, the residuals, and the MLP's
     w1 and w3 outputs, their SwiGLU product and w2's output (tests/test_memory.py holds it against the
-    tensors autograd saves)."""
+    tensors autograd saves). Under bf16 autocast (`activation_bytes` 2) the residual stream and the
+    norms stay float32 (the weights are), and each linear layer saves its own bf16 copy of its input."""
     kv_dim = args.n_kv_heads * args.head_dim
-    return 10 * args.dim + 3 * kv_dim + 4 * args.ffn_hidden
+    if activation_bytes == 4:
+        return 4 * (10 * args.dim + 3 * kv_dim + 4 * args.ffn_hidden)
+    return 4 * 4 * args.dim + activation_bytes * (7 * args.dim + 2 * kv_dim + 4 * args.ffn_hidden)
 
 
 def training_memory(
@@ -57,26 +60,31 @@ def training_memory(
 ) -> MemoryEstimate:
     """A training rank's peak: fp32 weights, gradients and AdamW's two moments (split over tp, and over
     every rank when FSDP2 shards them: `sharded`), DDP's gradient buckets when replicated over several
-    ranks, and one micro-batch's activations (`activation_bytes` per element: 2 under bf16 autocast)."""
+    ranks, and one micro-batch's activations (`activation_bytes` per element: 2 under bf16 autocast).
+    Autocast also keeps a bf16 copy of every matmul weight until the backward ends (saved for it, and in
+    its cast cache even under activation checkpointing): split over tp only, as FSDP2 gathers each
+    block's weights whole before they are cast."""
     params = args.num_params() / (dims.world if sharded else dims.tp)
     ddp_buckets = 4 * params if not sharded and dims.world > 1 else 0
     split = dims.tp * dims.cp  # sequence parallelism splits every activation over tp * cp
     tokens = batch_size * seq_len
-    block = tokens * block_activation_elements(args) * activation_bytes / split
-    if activation_checkpointing:  # each block keeps its input; one block's activations are recomputed
-        activations = args.n_layers * tokens * args.dim * activation_bytes / split + block
+    block = tokens * block_activation_bytes(args, activation_bytes) / split
+    if activation_checkpointing:  # each block keeps its input (float32); one block's are recomputed
+        activations = args.n_layers * tokens * args.dim * 4 / split + block
     else:
         activations = args.n_layers * block
     # The output projection's logits and the loss's float32 softmax.
     logits = tokens * args.vocab_size * (activation_bytes + 4) / split
-    return MemoryEstimate(
-        {
-            "weights": 4 * params,
-            "gradients": 4 * params + ddp_buckets,
-            "AdamW state": 8 * params,
-            "activations": activations + logits,
-        }
-    )
+    parts = {
+        "weights": 4 * params,
+        "gradients": 4 * params + ddp_buckets,
+        "AdamW state": 8 * params,
+        "activations": activations + logits,
+    }
+    if activation_bytes < 4:
+        matmul_params = args.n_layers * args.layer_matmul_params() + args.vocab_size * args.dim
+        parts["autocast weight copies"] = activation_bytes * matmul_params / dims.tp
+    return MemoryEstimate(parts)
 
 
 def serving_memory(

@@ -52,6 +52,21 @@ def test_training_estimate_matches_what_autograd_saves() -> None:
     assert recompute.parts["activations"] < estimate.parts["activations"] / 1.5
 
 
+def test_bf16_autocast_estimate_matches_what_autograd_saves() -> None:
+    """Under bf16 autocast (train.py on a GPU; the CPU's autocast saves the same tensors) the residual
+    stream and the norms stay float32, and every matmul weight is saved as a bf16 copy."""
+    batch, seq = 4, 64
+    model = Llama(TINY)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        measured = saved_activation_bytes(model, torch.randint(0, TINY.vocab_size, (batch, seq)))
+    estimate = memory.training_memory(TINY, ParallelDims(1, 1, 1), batch, seq, 2, False, sharded=False)
+    counted = estimate.parts["activations"] + estimate.parts["autocast weight copies"]
+    assert 0.8 * measured <= counted <= 1.25 * measured, (counted, measured)
+    # FSDP2 gathers each block whole before autocast copies it: only tp splits the copies.
+    fsdp = memory.training_memory(TINY, ParallelDims(4, 1, 2), batch, seq, 2, False, sharded=True)
+    assert fsdp.parts["autocast weight copies"] == estimate.parts["autocast weight copies"] / 2
+
+
 def test_serving_estimate_matches_the_kv_cache() -> None:
     model = Llama(TINY).to(torch.bfloat16)
     model.setup_caches(batch=16, max_len=64)
