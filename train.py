@@ -156,10 +156,13 @@ def train_step(
         context = model.no_sync() if not sync else torch.enable_grad()
         if fsdp:
             model.set_requires_gradient_sync(last)
-        with context, torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            logits = model(inputs)
-            # Vocabulary-parallel when tensor parallelism leaves the logits sharded (parallel/loss.py).
-            loss = cross_entropy(model, logits, targets)
+        with context:
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                logits = model(inputs)
+                # Vocabulary-parallel when tensor parallelism leaves the logits sharded (parallel/loss.py).
+                loss = cross_entropy(model, logits, targets)
+            # Outside autocast, as PyTorch advises: its cast cache, a bf16 copy of every weight used,
+            # is freed when the forward's autocast ends, which checkpointed blocks need to save memory.
             (loss / t.grad_accum).backward()
         total_loss += loss.detach() / t.grad_accum
     if dist.is_initialized():

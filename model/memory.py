@@ -61,9 +61,9 @@ def training_memory(
     """A training rank's peak: fp32 weights, gradients and AdamW's two moments (split over tp, and over
     every rank when FSDP2 shards them: `sharded`), DDP's gradient buckets when replicated over several
     ranks, and one micro-batch's activations (`activation_bytes` per element: 2 under bf16 autocast).
-    Autocast also keeps a bf16 copy of every matmul weight until the backward ends (saved for it, and in
-    its cast cache even under activation checkpointing): split over tp only, as FSDP2 gathers each
-    block's weights whole before they are cast."""
+    Autocast also makes a bf16 copy of every matmul weight, which the backward keeps where it saved
+    them: every block's without activation checkpointing, with it the recomputed block's and the output
+    projection's. Split over tp only, as FSDP2 gathers each block's weights whole before they are cast."""
     params = args.num_params() / (dims.world if sharded else dims.tp)
     ddp_buckets = 4 * params if not sharded and dims.world > 1 else 0
     split = dims.tp * dims.cp  # sequence parallelism splits every activation over tp * cp
@@ -82,7 +82,8 @@ def training_memory(
         "activations": activations + logits,
     }
     if activation_bytes < 4:
-        matmul_params = args.n_layers * args.layer_matmul_params() + args.vocab_size * args.dim
+        blocks = 1 if activation_checkpointing else args.n_layers
+        matmul_params = blocks * args.layer_matmul_params() + args.vocab_size * args.dim
         parts["autocast weight copies"] = activation_bytes * matmul_params / dims.tp
     return MemoryEstimate(parts)
 
