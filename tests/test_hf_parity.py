@@ -81,23 +81,38 @@ def test_hf_directory_matches_transformers(tmp_path: Path, shard: bool) -> None:
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_export_loads_in_transformers(tmp_path: Path, tie: bool) -> None:
+    """Settings away from the defaults (norm eps, every rope scaling field, theta, max_seq_len), so that
+    a config.json that wrote a default in place of the model's value would show."""
     args = ModelArgs(
+        name="hf",
         dim=64,
         n_layers=2,
         n_heads=4,
         n_kv_heads=2,
         vocab_size=120,
         ffn_hidden=160,
+        norm_eps=1e-3,
+        rope_theta=20000.0,
         tie_embeddings=tie,
-        rope_scaling=RopeScaling(original_max_position=32),
+        rope_scaling=RopeScaling(
+            factor=4.0, low_freq_factor=2.0, high_freq_factor=8.0, original_max_position=32
+        ),
         max_seq_len=128,
     )
     model = Llama(args)
     model.init_weights()
+    with torch.no_grad():  # at init, attention is near uniform and rotary positions barely show: sharpen it
+        for layer in model.layers:
+            layer.attention.wq.weight.mul_(10)
+            layer.attention.wk.weight.mul_(10)
+            layer.attention_norm.weight.uniform_(0.5, 1.5)
+            layer.ffn_norm.weight.uniform_(0.5, 1.5)
     export_hf(model, args, tmp_path / "hf", dtype=torch.float32)
+    assert load_hf_checkpoint(tmp_path / "hf")[0] == args
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "hf", attn_implementation="eager"
     ).eval()
+    assert reference.config.max_position_embeddings == args.max_seq_len
     tokens = torch.randint(0, 120, (2, 24))
     with torch.no_grad():
         diff = (model(tokens) - reference(tokens).logits).abs().max().item()
@@ -152,6 +167,13 @@ def test_config_without_optional_keys_runs_as_transformers_runs_it(tmp_path: Pat
     (tmp_path / "config.json").write_text(json.dumps(config))
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
     model = weft_from_dir(tmp_path)
+    # max_position_embeddings does not change the logits: compared directly, as are the others.
+    defaults = reference.config
+    assert (model.args.norm_eps, model.args.max_seq_len, model.args.tie_embeddings) == (
+        defaults.rms_norm_eps,
+        defaults.max_position_embeddings,
+        defaults.tie_word_embeddings,
+    )
     tokens = torch.randint(0, 300, (2, 24))
     with torch.no_grad():
         assert (model(tokens) - reference.eval()(tokens).logits).abs().max().item() <= 1e-4
