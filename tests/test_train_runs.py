@@ -213,6 +213,21 @@ def test_backward_runs_after_autocast_ends() -> None:
     assert autocast_in_backward == [False] and stats.loss > 0
 
 
+def test_gradient_accumulation_trains_as_the_whole_batch(tmp_path: Path, straight: Path) -> None:
+    """training.grad_accum=2 of batches of 2 takes the straight run's windows of 4 in two halves: the same
+    loss, gradient norm (the mean over the micro-batches, not their sum) and so the same updates."""
+    run_dir = tmp_path / "accum"
+    halves = ["training.batch_size=2", "training.grad_accum=2", "training.stop_at=3"]
+    done = run_script("train.py", *COMMON, *halves, f"hydra.run.dir={run_dir}")
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    def rows(run: Path) -> list[float]:
+        records = map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        return [value for r in records if r["step"] <= 3 for value in (r["loss"], r["grad_norm"])]
+
+    assert rows(run_dir) == pytest.approx(rows(straight), rel=1e-4)
+
+
 def worker_of_rank(torchrun: subprocess.Popen, rank: int) -> int:
     """The pid of a torchrun worker (read from /proc: the children of torchrun's process)."""
     children = Path(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children").read_text().split()
