@@ -147,8 +147,14 @@ def test_resume_gives_the_same_batches() -> None:
     resumed.load_state_dict(json.loads(json.dumps(state)))  # as meta.json stores it
     for _ in range(data.steps_per_epoch + 1):
         assert torch.equal(data.next_batch()[0], resumed.next_batch()[0])
+    # The epoch's end is a position (the next batch starts the next epoch); one step beyond is not.
+    resumed.load_state_dict({"epoch": 0, "step": data.steps_per_epoch})
+    fresh = dataset(tokens, rank=1, world_size=2)
+    for _ in range(data.steps_per_epoch):
+        fresh.next_batch()
+    assert torch.equal(resumed.next_batch()[0], fresh.next_batch()[0])
     with pytest.raises(ValueError, match="past this corpus"):
-        resumed.load_state_dict({"epoch": 0, "step": 10_000})
+        resumed.load_state_dict({"epoch": 0, "step": data.steps_per_epoch + 1})
 
 
 def test_resume_over_another_number_of_ranks_continues_the_epoch() -> None:
