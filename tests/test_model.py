@@ -51,6 +51,36 @@ def test_initial_loss_near_log_vocab() -> None:
     assert abs(loss.item() - math.log(97)) < 1.0
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_init_draws_each_weight_at_its_scale(tie: bool) -> None:
+    """init_plan: truncated normals of init_std, the residual writers (wo, w2) scaled down by
+    sqrt(2 * n_layers), the untied embedding at 1 and output at dim**-0.5, norms at one."""
+    model = small_model(dim=256, n_heads=8, ffn_hidden=512, n_layers=4, tie_embeddings=tie)
+    std = model.args.init_std
+    expected = {
+        "wq": std,
+        "wk": std,
+        "wv": std,
+        "w1": std,
+        "w3": std,
+        "wo": std / math.sqrt(8),
+        "w2": std / math.sqrt(8),
+    }
+    expected["tok_embeddings"] = std if tie else 1.0
+    if not tie:
+        expected["output"] = 256**-0.5
+    for name, param in model.named_parameters():
+        kind = name.split(".")[-2]
+        if "norm" in kind:
+            assert torch.equal(param, torch.ones_like(param)), name
+            continue
+        want = expected[kind]
+        # Cut at 3 standard deviations, which leaves 0.987 of the normal's: within the 5%.
+        assert abs(param.std().item() / want - 1) < 0.05, (name, param.std().item(), want)
+        if kind != "tok_embeddings":
+            assert param.abs().max().item() <= 3 * want, name
+
+
 def test_rope_scaling_keeps_high_and_divides_low_frequencies() -> None:
     plain = rope_frequencies(128, 500000.0, None)
     scaled = rope_frequencies(128, 500000.0, RopeScaling())
