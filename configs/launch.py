@@ -21,7 +21,7 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from configs.schema import register_configs, register_resolvers
-from configs.validate import unknown_key_message
+from configs.validate import override_key, unknown_key_message
 from parallel import distributed
 from parallel.comm import CommUnavailable
 
@@ -85,7 +85,7 @@ def null_setting_error(err: BaseException, overrides: list[str]) -> ValueError |
     """The user error behind OmegaConf's failure to set a key inside a null structured setting, or None
     where no override reaches into one (then the failure is a bug)."""
     for override in overrides:
-        key = override.lstrip("+~").split("=", 1)[0]
+        key = override_key(override)
         for setting in NULLABLE_SETTINGS:
             if key == setting or key.startswith(f"{setting}."):
                 return ValueError(

@@ -66,6 +66,11 @@ def raise_first_failure(checks: list[tuple[bool, str]]) -> None:
             raise ValueError(message)
 
 
+def override_key(override: str) -> str:
+    """The key an override sets: model.dim for model.dim=64, +x.y=1 and ~x.y."""
+    return override.lstrip("+~").split("=", 1)[0]
+
+
 # Of the model group, what a checkpoint's weights leave to the config: how to run them.
 RUN_CHOICES = ("model.fp8", "model.decode_kernels")
 
@@ -73,7 +78,7 @@ RUN_CHOICES = ("model.fp8", "model.decode_kernels")
 def check_shape_overrides(overrides: Sequence[str], weights_key: str) -> None:
     """Loaded weights bring their own shape: a command line that also sets one (model=PRESET,
     model.dim=...) is refused, not silently ignored."""
-    keys = [override.lstrip("+~").split("=", 1)[0] for override in overrides]
+    keys = map(override_key, overrides)
     shape = [
         o
         for o, key in zip(overrides, keys, strict=True)
@@ -98,8 +103,8 @@ def check_mode_overrides(mode: str, overrides: Sequence[str], messages: str | No
     """A command line that sets a key only the other mode reads (prompt=... without mode=generate) is
     refused, not silently run as the other mode; so is a prompt beside `messages`, which replaces it."""
     other = next(name for name in MODE_KEYS if name != mode)
-    ignored = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] in MODE_KEYS[other]]
-    prompts = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] == "prompt"]
+    ignored = [o for o in overrides if override_key(o) in MODE_KEYS[other]]
+    prompts = [o for o in overrides if override_key(o) == "prompt"]
     if mode == "generate" and messages is not None and prompts:
         raise ValueError(
             f"messages={messages} sends the file's conversation instead of the prompt, so {prompts[-1]} "
