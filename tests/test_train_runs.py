@@ -352,9 +352,13 @@ def test_second_signal_exits_at_once_and_resume_drops_replayed_rows(tmp_path: Pa
     run_dir = tmp_path / "run"
     process = start_training(*COMMON, "checkpoint.every=3", f"hydra.run.dir={run_dir}")
     wait_for_line(process, "step 5/")
-    # Two different signals, so that neither is lost (one signal sent twice may be handled once).
+    # Two different signals, so that neither is lost (one signal sent twice may be handled once), sent
+    # while the process is stopped: on a loaded machine it could otherwise finish its step, save and exit
+    # on the first before the second is sent.
+    process.send_signal(signal.SIGSTOP)
     process.send_signal(signal.SIGINT)
     process.send_signal(signal.SIGTERM)
+    process.send_signal(signal.SIGCONT)
     out, err = process.communicate(timeout=60)
     assert process.returncode == -signal.SIGTERM, err[-3000:]
     assert "SIGTERM again: exiting without saving" in err
