@@ -429,6 +429,8 @@ def arrival_counters(device: torch.device, numel: int) -> torch.Tensor:
 
 def _launch(q, k, v, rope, input_pos, k_cache, v_cache, out, scales) -> None:
     batch, n_kv_heads, cache_len, head_dim = k_cache.shape
+    if batch == 0:
+        return  # no sequences: nothing to attend or write (and no programs to split the cache among)
     group = q.shape[2] // head_dim // n_kv_heads
     splits = num_splits(batch, n_kv_heads, group, head_dim, cache_len, q.device)
     group_rows = triton.next_power_of_2(group)

@@ -402,6 +402,10 @@ def _skinny_gemm(
         # No rows: an empty per-token a_scale would be taken for a per-tensor one and read unmasked
         # (a segfault in the interpreter, an illegal address on the GPU).
         return torch.empty(0, n, dtype=torch.bfloat16, device=a.device)
+    if k == 0 or n == 0:
+        # An empty sum over K is zero; no K or no columns would also leave the split arithmetic nothing
+        # to divide.
+        return torch.zeros(m, n, dtype=torch.bfloat16, device=a.device)
     cfg = config or config_for(m, n, k, a.device, a.dtype)
     group = k // a_groups(a_scale) if a_scale is not None and a_groups(a_scale) > 1 else 0
     if group:
@@ -483,6 +487,8 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
     of K / G elements: re-quantized per token past M = 64) or per-tensor [1] fp32 scales; B: the e4m3
     weight [N, K] with per-channel [N] or per-tensor [1] scales (quantize_weight_per_channel)."""
     _check(a, a_scale, b, b_scale)
+    if a.shape[1] == 0:  # an empty sum, at any M (torch._scaled_mm's K = 0 is not ours to rely on)
+        return torch.zeros(a.shape[0], b.shape[0], dtype=torch.bfloat16, device=a.device)
     if a.shape[0] <= MAX_M:
         return skinny_fp8_gemm(a, a_scale, b, b_scale)
     if a.device.type != "cuda":

@@ -186,6 +186,16 @@ def test_split_counts(monkeypatch: pytest.MonkeyPatch) -> None:
     assert da.num_splits(1, 1, 2, 64, 8192, cpu) == da.MAX_SPLITS
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_no_sequences_give_empty_outputs(fp8: bool) -> None:
+    """Batch 0 returns empty outputs (and scales) instead of dividing the cache among no programs."""
+    q, k, v, rope, pos, k_cache, v_cache = inputs(0, 4, 2, 16, 8, 3)
+    out = decode_attention(q, k, v, rope, pos, k_cache, v_cache, fp8=fp8)
+    values, scales = out if fp8 else (out, None)
+    assert values.shape == (0, 1, 64)
+    assert scales is None or scales.shape == (0, 2)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

@@ -477,6 +477,19 @@ def test_no_rows_give_an_empty_product() -> None:
     assert bf16_gemm(bf16(0, 64), bf16(32, 64)).shape == (0, 32)
 
 
+@pytest.mark.parametrize("m", [3, 64, 100])
+def test_no_k_or_no_columns_give_zeros(poisoned: None, m: int) -> None:
+    """K = 0 sums nothing (zeros, as torch.matmul), N = 0 has no columns: neither divides by zero."""
+    a, b = torch.empty(m, 0, dtype=FP8, device=DEVICE), torch.empty(32, 0, dtype=FP8, device=DEVICE)
+    zeros = torch.zeros(m, 32, dtype=torch.bfloat16, device=DEVICE)
+    assert torch.equal(fp8_gemm(a, torch.ones(m, device=DEVICE), b, torch.ones(32, device=DEVICE)), zeros)
+    assert torch.equal(bf16_gemm(bf16(m, 0), bf16(32, 0)), zeros)
+    a, a_scale = quantize_per_token(bf16(m, 64))
+    b, b_scale = quantize_weight_per_channel(bf16(0, 64))
+    assert fp8_gemm(a, a_scale, b, b_scale).shape == (m, 0)
+    assert bf16_gemm(bf16(m, 64), bf16(0, 64)).shape == (m, 0)
+
+
 def test_strided_scales_are_refused() -> None:
     """Per-row scales that are a column of a wider tensor: the kernel reads scales at consecutive
     addresses, so it would take its neighbours' as this row's; refused rather than mis-scaled."""
