@@ -36,7 +36,7 @@ from configs.schema import TrainConfig
 from configs.validate import check_shape_overrides, validate_train_config
 from model.args import ModelArgs
 from model.checkpoint import CheckpointWriteError, load_checkpoint, load_newest_intact, save_checkpoint
-from model.data import PackedDataset, build_dataset, load_documents
+from model.data import PackedDataset, build_dataset, load_documents, marks_document_boundaries
 from model.hf import export_hf
 from model.llama import Llama
 from model.loading import checkpoint_tokenizer, resolve_init_weights
@@ -414,6 +414,12 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
             log.info(f"resuming from {shown(resume_from)} (step {start_step})")
         layout = f" (dp={dims.dp} cp={dims.cp} tp={dims.tp}, comm={dims.comm})" if mesh is not None else ""
         log.info(f"model {args.name}: {args.num_params() / 1e6:.1f}M parameters on {device} x{world}{layout}")
+        if isinstance(tokenizer, HFTokenizer) and not marks_document_boundaries(tokenizer):
+            log.warning(
+                f"warning: the tokenizer in {shown(tokenizer.directory)} names no begin- or end-of-text "
+                "token, so the documents are packed with nothing between them: name bos_token / eos_token "
+                "in its tokenizer_config.json"
+            )
         if t.warmup_steps > t.steps:  # allowed (a short smoke test), but the schedule is not the one set
             top = t.lr * lr_lambda(t.steps - 1, t.warmup_steps, t.steps, t.min_lr_ratio)
             log.warning(

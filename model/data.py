@@ -106,6 +106,12 @@ def tokenize_corpus(documents: Sequence[str], tokenizer: Tokenizer, chunk: int =
     return torch.cat(parts)
 
 
+def marks_document_boundaries(tokenizer: Tokenizer) -> bool:
+    """Whether tokenize_corpus puts anything between two documents: a BOS or EOS id, or the specials
+    of a post-processor where no BOS id is known. A tokenizer without either packs them back to back."""
+    return tokenizer.encode_batch(["a"], bos=True, eos=True) != tokenizer.encode_batch(["a"], bos=False)
+
+
 class PackedDataset:
     """The token stream cut into windows of seq_len + 1 tokens (inputs and the targets one ahead).
     Each epoch visits the windows in an order drawn from (seed, epoch); step i of rank r takes windows

@@ -10,9 +10,10 @@ from model.data import (
     PackedDataset,
     build_dataset,
     load_documents,
+    marks_document_boundaries,
     tokenize_corpus,
 )
-from model.tokenizer import ByteTokenizer
+from model.tokenizer import ByteTokenizer, HFTokenizer
 
 
 def dataset(tokens: torch.Tensor, rank: int = 0, world_size: int = 1, seed: int = 3) -> PackedDataset:
@@ -104,6 +105,24 @@ def test_tokenize_joins_documents_with_eos() -> None:
     built = build_dataset(["x" * 500], tokenizer, seq_len=8, batch_size=2, rank=0, world_size=1, seed=0)
     inputs, targets = built.next_batch()
     assert inputs.shape == targets.shape == (2, 8) and inputs.dtype == torch.int64
+
+
+def test_tokenizers_without_begin_or_end_ids_are_found(tmp_path: Path) -> None:
+    """A tokenizer.json with no begin/end token and no post-processor packs documents back to back
+    (train.py warns); one whose post-processor adds a BOS, or one with an EOS, does not."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    tokenizer = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2, "<sep>": 3}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    plain = HFTokenizer(tmp_path)
+    assert (plain.bos_id, plain.eos_id) == (None, None)
+    assert tokenize_corpus(["a b", "b"], plain).tolist() == [0, 1, 1]
+    assert not marks_document_boundaries(plain)
+    tokenizer.post_processor = processors.TemplateProcessing(single="<sep> $A", special_tokens=[("<sep>", 3)])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    assert marks_document_boundaries(HFTokenizer(tmp_path))
+    assert marks_document_boundaries(ByteTokenizer())
 
 
 def test_batches_are_shifted_windows_and_deterministic() -> None:
