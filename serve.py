@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -275,11 +276,25 @@ def prepare_completion(cfg: ServeConfig, checkpoint: Path | None, args: ModelArg
     return Completion(tokenizer, ids, echo, sampling, stop_ids(directory, tokenizer))
 
 
+def print_while_read(text: str, end: str = "") -> bool:
+    """Print `text` on stdout; False once its reader has gone (`serve.py ... | head`). stdout then
+    points at /dev/null, so that Python's flush at exit does not fail on the closed pipe again."""
+    try:
+        print(text, end=end, flush=True)
+        return True
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return False
+
+
 def stream_completion(model: Llama, completion: Completion, cfg: ServeConfig, device: torch.device) -> None:
     """Decode the completion, rank 0 printing its text as the tokens arrive (after the echoed prompt),
     then a line of figures on stderr: prompt and new tokens, time to first token, the first decode step
-    (which compiles and captures the step where asked) and the decode rate of the steps after it."""
+    (which compiles and captures the step where asked) and the decode rate of the steps after it. When
+    stdout's reader goes away, one process stops; ranks under torchrun decode on together to the end
+    (every step is a collective), printing nothing more."""
     is_main = distributed.rank() == 0
+    alone = distributed.world_size() == 1
     generator = torch.Generator(device).manual_seed(cfg.seed)
     prompt = torch.tensor([completion.prompt_ids], device=device)
     text = TextStream(completion.tokenizer, completion.prompt_ids)
@@ -294,8 +309,7 @@ def stream_completion(model: Llama, completion: Completion, cfg: ServeConfig, de
         generator,
     )
     pieces = [completion.echo]
-    if is_main:
-        print(completion.echo, end="", flush=True)
+    read = print_while_read(completion.echo) if is_main else True
     start = time.perf_counter()
     arrived = []  # the first two tokens' times: prefill, then the first decode step
     new = 0
@@ -306,11 +320,14 @@ def stream_completion(model: Llama, completion: Completion, cfg: ServeConfig, de
             arrived.append(time.perf_counter())
         if is_main:
             pieces.append(text.push(token_id))
-            print(pieces[-1], end="", flush=True)
+            read = read and print_while_read(pieces[-1])
+        if not read and alone:
+            break
     end = time.perf_counter()
     if is_main:
         pieces.append(text.flush())
-        print(pieces[-1], flush=True)
+        if read:
+            print_while_read(pieces[-1], end="\n")
         figures = [f"{len(completion.prompt_ids)} prompt tokens", f"{new} new tokens"]
         figures.append(f"time to first token {(arrived[0] - start) * 1e3:.0f} ms" if arrived else "no token")
         if new > 1:

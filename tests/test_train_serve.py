@@ -3,6 +3,7 @@ serve.py benchmarks and generates from the trained checkpoint; bad configs fail 
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,16 +27,20 @@ TINY = [
 CPU = "device=cpu"  # exact resume is promised for deterministic CPU math
 
 
-def run_script(script: str, *overrides: str, torchrun: int = 0) -> subprocess.CompletedProcess:
+def script_command(script: str, *overrides: str, torchrun: int = 0) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that run `script` (under torchrun with that many ranks)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={torchrun}", script]
     else:
         cmd = [sys.executable, script]
-    return subprocess.run(
-        cmd + list(overrides), cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
+    return cmd + list(overrides), env
+
+
+def run_script(script: str, *overrides: str, torchrun: int = 0) -> subprocess.CompletedProcess:
+    cmd, env = script_command(script, *overrides, torchrun=torchrun)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -119,6 +124,23 @@ def test_torchrun_data_parallel(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(losses(tmp_path)) == [1, 2, 3]
     assert len(list((tmp_path / "checkpoints").glob("step_*"))) == 1
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_serve_stops_quietly_when_stdout_closes(tmp_path: Path, tp: int) -> None:
+    """`serve.py mode=generate ... | head`: the reader gone, one process stops after the token it could
+    not print; ranks under torchrun decode on together to the end. Either way no traceback, status 0."""
+    overrides = ["mode=generate", "prompt=hello", CPU, "model=debug", "max_new_tokens=40", "seed=0"]
+    overrides += [f"parallel.tp={tp}", f"hydra.run.dir={tmp_path}"]
+    cmd, env = script_command("serve.py", *overrides, torchrun=tp if tp > 1 else 0)
+    process = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    process.stdout.close()  # gone before the first print
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0 and "Traceback" not in stderr, stderr[-3000:]
+    new_tokens = int(re.search(r"(\d+) new tokens", stderr).group(1))
+    assert new_tokens == 1 if tp == 1 else new_tokens > 1
 
 
 @pytest.mark.parametrize(
