@@ -14,18 +14,20 @@
 # OUT: a folder that receives node-results.tar, the result files this run wrote and its logs.
 # On a lent 4-GPU machine, calls of at most 10 minutes take the four-GPU run in five. On 4x H200
 # (2026-11-26) ag took 19 s, rs 17 s, a2a 34 s, ar 34 s, train 37 s and decode 325 s; on 4x H100
-# (2026-11-26/27) ag 25 s, rs 25-28 s, a2a 106 s, train 48-52 s, decode 369 s, the model tests 386 s, the
-# kernel tests 356 s and the one-GPU tests 267 s (all of tests: past 16 minutes), so they go apart:
-#   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh ag rs a2a ar train
+# (2026-11-26/27) ag 25 s, rs 25-28 s, a2a 106 s, train 48-52 s, decode 369 s, the torchrun tests
+# 340-480 s, the TP model test 47 s, the kernel tests 356 s and the one-GPU tests 267 s (all of tests: past
+# 16 minutes), so they go apart:
+#   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh ag rs a2a ar train tp-tests
 #   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh decode
-#   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh model-tests
+#   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh torchrun-tests
 #   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh kernel-tests
 #   DEADLINE=570 OUT=$OUT benchmarks/run_node.sh gpu-tests
 #
 # Steps (N = the GPUs visible here; the comm steps need N >= 2):
 #   tests     pytest of everything marked multigpu (kernels on 2, 4 and 8 GPUs, TP, Ulysses), then of
-#             everything marked gpu (one GPU): the next three steps in one
-#   model-tests   the multigpu tests of train.py / serve.py under torchrun and of the TP model
+#             everything marked gpu (one GPU): the next four steps in one
+#   torchrun-tests  the multigpu tests of train.py / serve.py under torchrun
+#   tp-tests      the multigpu test of the TP model
 #   kernel-tests  the other multigpu tests: each comm kernel at 2, 4 and 8 ranks
 #   gpu-tests     everything marked gpu but not multigpu (one GPU)
 #   ag        all-gather + matmul against NCCL + cuBLAS, torch's fused op and cuBLAS alone, and the GPU
@@ -61,7 +63,8 @@ RUN=("$PY" -m torch.distributed.run --nproc_per_node="$N")
 # pytest-timeout a hung test fails alone and the rest run. The slowest 20 durations size the next calls.
 PYTEST="$PY -m pytest -v -rfE --tb=short --failures-at-once --durations=20 -p no:cacheprovider"
 if $PY -c "import pytest_timeout" 2>/dev/null; then PYTEST="$PYTEST --timeout=${TEST_TIMEOUT:-300}"; fi
-MODEL_TESTS=(tests/test_torchrun_gpu.py tests/test_tp_gpu.py)
+TORCHRUN_TESTS=tests/test_torchrun_gpu.py
+TP_TESTS=tests/test_tp_gpu.py
 
 cp_degrees() {
   local d=1 out=""
@@ -72,8 +75,9 @@ cp_degrees() {
 step_command() {
   case "$1" in
     tests) echo "$PYTEST -m multigpu tests; m=\$?; $(step_command gpu-tests) && exit \$m" ;;
-    model-tests) echo "$PYTEST -m multigpu ${MODEL_TESTS[*]}" ;;
-    kernel-tests) echo "$PYTEST -m multigpu tests ${MODEL_TESTS[*]/#/--ignore=}" ;;
+    torchrun-tests) echo "$PYTEST -m multigpu $TORCHRUN_TESTS" ;;
+    tp-tests) echo "$PYTEST -m multigpu $TP_TESTS" ;;
+    kernel-tests) echo "$PYTEST -m multigpu tests --ignore=$TORCHRUN_TESTS --ignore=$TP_TESTS" ;;
     gpu-tests) echo "$PYTEST -m 'gpu and not multigpu' tests" ;;
     ag) echo "${RUN[*]} benchmarks/bench_ag_matmul.py --timeline" ;;
     rs) echo "${RUN[*]} benchmarks/bench_matmul_rs.py --timeline" ;;
