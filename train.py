@@ -97,10 +97,11 @@ def peak_bf16_flops(name: str) -> float | None:
 
 
 def lr_lambda(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warm-up to 1, then cosine decay to min_ratio at the last step."""
+    """Linear warm-up to 1, then cosine decay to min_ratio at the last step. `step` counts from 0 (the
+    scheduler's count of steps taken), so the last step is total - 1."""
     if step < warmup:
         return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    progress = min(1.0, (step - warmup) / max(1, total - 1 - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 

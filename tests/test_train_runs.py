@@ -188,6 +188,18 @@ def test_warmup_longer_than_the_run_is_trained_and_named(tmp_path: Path) -> None
     assert lrs == pytest.approx([3e-3 / 5, 3e-3 * 2 / 5])
 
 
+def test_learning_rate_warms_up_then_decays_to_its_floor_at_the_last_step(tmp_path: Path) -> None:
+    """Step 1 trains at lr / warmup_steps, the last warm-up step at lr, and the cosine ends at
+    lr * min_lr_ratio on the last step trained (not one step after it, which never comes)."""
+    run_dir = tmp_path / "run"
+    schedule = ["training.steps=5", "training.lr=1e-3", "training.min_lr_ratio=0.1", "checkpoint.every=0"]
+    done = run_script("train.py", *TINY, CPU, *schedule, f"hydra.run.dir={run_dir}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lrs = [json.loads(line)["lr"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # Warm-up over steps 1-2; cosine from 1 (step 3) through 0.55 (half-way) to 0.1 (step 5).
+    assert lrs == pytest.approx([0.5e-3, 1e-3, 1e-3, 0.55e-3, 0.1e-3])
+
+
 def test_backward_runs_after_autocast_ends() -> None:
     """train_step's backward runs outside autocast: its cast cache (a bf16 copy of every weight) is then
     freed before the backward, so checkpointed blocks do not keep every block's copies through it (about
