@@ -147,14 +147,16 @@ def train_step(
     t = cfg.training
     total_loss = torch.zeros((), device=device)
     fsdp = hasattr(model, "set_requires_gradient_sync")
+    # training.compile wraps the DDP module, whose no_sync() stays the wrapped one's.
+    ddp = getattr(model, "_orig_mod", model)
     for micro in range(t.grad_accum):
         inputs, targets = (x.to(device, non_blocking=True) for x in dataset.next_batch())
         if cp_chunk is not None:
             inputs, targets = inputs[:, cp_chunk], targets[:, cp_chunk]
         # Only the last micro-batch reduces gradients over data-parallel ranks (DDP or FSDP2).
         last = micro == t.grad_accum - 1
-        sync = last or not isinstance(model, torch.nn.parallel.DistributedDataParallel)
-        context = model.no_sync() if not sync else torch.enable_grad()
+        sync = last or not isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
+        context = ddp.no_sync() if not sync else torch.enable_grad()
         if fsdp:
             model.set_requires_gradient_sync(last)
         with context:

@@ -240,6 +240,50 @@ def test_gradient_accumulation_trains_as_the_whole_batch(tmp_path: Path, straigh
     assert rows(run_dir) == pytest.approx(rows(straight), rel=1e-4)
 
 
+def _compiled_ddp_reduces_once_per_step(rank: int, world: int) -> None:
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden=128)
+    cfg = OmegaConf.structured(TrainConfig(model=args))
+    cfg.training.batch_size, cfg.training.seq_len, cfg.training.grad_accum = 2, 16, 4
+
+    class Batches:
+        def __init__(self) -> None:
+            self.generator = torch.Generator().manual_seed(rank)
+
+        def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+            tokens = torch.randint(0, args.vocab_size, (2, 17), generator=self.generator)
+            return tokens[:, :-1], tokens[:, 1:]
+
+    def one_step(compiled: bool) -> tuple[int, float, float]:
+        """(bucket all-reduces, loss, gradient norm) of a step of 4 micro-batches."""
+        torch.manual_seed(0)
+        model = Llama(args)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        reductions = []
+
+        def counted(state: object, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            reductions.append(bucket.index())
+            return allreduce_hook(state, bucket)
+
+        ddp.register_comm_hook(None, counted)
+        train_model = torch.compile(ddp, backend="eager") if compiled else ddp
+        optimizer = build_optimizer(model, cfg, CPU_DEVICE)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        stats = train_step(train_model, optimizer, scheduler, Batches(), cfg, CPU_DEVICE, None, world)
+        return len(reductions), stats.loss, stats.grad_norm
+
+    results = [one_step(compiled=False), one_step(compiled=True)]
+    assert results[1] == results[0], results
+
+
+def test_compiled_ddp_reduces_gradients_on_the_last_micro_batch_only() -> None:
+    """training.compile=true under DDP (torchrun, tp = cp = 1): torch.compile wraps the DDP module, and the
+    micro-batches before the last still skip the all-reduce (no_sync), as uncompiled: the same gradients
+    from a quarter of the all-reduces at grad_accum=4."""
+    run_ranks(_compiled_ddp_reduces_once_per_step, 2)
+
+
 def worker_of_rank(torchrun: subprocess.Popen, rank: int) -> int:
     """The pid of a torchrun worker (read from /proc: the children of torchrun's process)."""
     children = Path(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children").read_text().split()
