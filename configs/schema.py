@@ -29,21 +29,32 @@ class ParallelConfig:
 
 @dataclass
 class TrainingConfig:
+    # Optimizer steps; the learning-rate schedule spans them.
     steps: int = 300
-    # Sequences per rank per micro-batch.
+    # Sequences per data-parallel rank per micro-batch (the tp and cp ranks of one model replica share
+    # theirs): an optimizer step trains on batch_size * grad_accum * dp sequences.
     batch_size: int = 16
+    # Tokens per sequence (at most model.max_seq_len).
     seq_len: int = 128
     # Micro-batches accumulated into one optimizer step.
     grad_accum: int = 1
+    # Peak learning rate of AdamW, reached when the warm-up ends.
     lr: float = 3e-3
-    # Cosine decay ends at lr * min_lr_ratio.
+    # Cosine decay ends at lr * min_lr_ratio, on the last step.
     min_lr_ratio: float = 0.1
+    # Linear warm-up: step i (from 1) trains at lr * i / warmup_steps.
     warmup_steps: int = 20
+    # AdamW's decoupled weight decay, on every matrix (the embedding and output projection too); the
+    # norms' weights get none.
     weight_decay: float = 0.1
+    # AdamW's decay of its running mean of the gradients.
     beta1: float = 0.9
+    # AdamW's decay of its running mean of the squared gradients (its eps is PyTorch's default, 1e-8).
     beta2: float = 0.95
-    # Clip the global gradient norm to this value (0 disables clipping).
+    # Clip the global gradient norm to this value (0 disables clipping); the logged grad_norm is the
+    # norm before clipping.
     grad_clip: float = 1.0
+    # Seeds the initial weights (unless checkpoint.init_from gives them) and the order of the data.
     seed: int = 0
     # Stop (after saving a checkpoint) at this step as if interrupted; running again resumes.
     stop_at: int | None = None
@@ -53,6 +64,7 @@ class TrainingConfig:
     allow_schedule_change: bool = False
     # Autocast dtype on GPU (bfloat16 | float32); CPU always trains in float32.
     dtype: str = "bfloat16"
+    # torch.compile the model (each transformer block when parallel.tp, cp or fsdp shard it).
     compile: bool = False
     # Recompute each transformer block in the backward (less activation memory).
     activation_checkpointing: bool = False

@@ -2,6 +2,7 @@
 schemas are strict, and each error prints as one line once (under torchrun too), with the traceback
 only under HYDRA_FULL_ERROR=1; a model too large for the device's memory is refused the same way."""
 
+import ast
 import signal
 import sys
 from pathlib import Path
@@ -91,6 +92,17 @@ def test_config_errors_name_the_valid_choices(overrides: list[str], message: str
 )
 def test_train_values_are_checked(override: str, message: str) -> None:
     assert error_line("train", override) == message
+
+
+def test_every_training_key_is_documented_in_the_schema() -> None:
+    """The README's promise that every key is documented in configs/schema.py: each training.* key has
+    a comment of its own above it."""
+    source = (ROOT / "configs" / "schema.py").read_text()
+    lines = source.splitlines()
+    (group,) = [node for node in ast.parse(source).body if getattr(node, "name", None) == "TrainingConfig"]
+    keys = [field for field in group.body if isinstance(field, ast.AnnAssign)]
+    undocumented = [key.target.id for key in keys if not lines[key.lineno - 2].lstrip().startswith("#")]
+    assert not undocumented
 
 
 @pytest.mark.parametrize(
