@@ -18,7 +18,9 @@ Every op works on one process group (a tensor- or context-parallel group). Matri
     all_gather(x, dim), reduce_scatter(x, dim)    -> the plain collectives (no matmul)
 
 The plain all-gather / reduce-scatter are the stock collectives on every path: the model's layers only
-use them where no matmul is attached (the embedding and the gradient of the sequence-parallel norms).
+use them where no fused op is attached (the embedding, the gathered logits without sequence
+parallelism, and the re-gather of `save_gathered=False`); the gradient of the sequence-parallel norms
+is summed by the dispatched all-reduce.
 """
 
 from __future__ import annotations

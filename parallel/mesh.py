@@ -137,15 +137,17 @@ def validate_decode_graphs(dims: ParallelDims, cuda_graphs: bool) -> None:
 
 
 def tensor_parallel_ops(sequence_parallel: bool) -> list[str]:
-    """The dispatched ops tensor parallelism calls: AG-matmul and matmul-RS in training (sequence
-    parallel), the all-reduce in decode."""
-    return ["all_gather_matmul", "matmul_reduce_scatter"] if sequence_parallel else ["all_reduce"]
+    """The dispatched ops tensor parallelism calls: AG-matmul, matmul-RS and the all-reduce (the
+    weight gradients of the sequence-parallel norms) in training, the all-reduce in decode."""
+    if sequence_parallel:
+        return ["all_gather_matmul", "matmul_reduce_scatter", "all_reduce"]
+    return ["all_reduce"]
 
 
 def validate_comm_ops(dims: ParallelDims, training: bool) -> None:
     """The comm path must implement every op the layout calls (triton: its kernels must exist):
-    training with tp > 1 calls AG-matmul and matmul-RS, decode with tp > 1 the all-reduce, Ulysses
-    (cp > 1) the all-to-alls seq_to_heads and heads_to_seq."""
+    training with tp > 1 calls AG-matmul, matmul-RS and the all-reduce, decode with tp > 1 the
+    all-reduce, Ulysses (cp > 1) the all-to-alls seq_to_heads and heads_to_seq."""
     from parallel.comm import check_ops
     from parallel.ulysses import ULYSSES_OPS
 

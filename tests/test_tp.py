@@ -25,12 +25,13 @@ from parallel.checkpoint import (
     load_full_model_state,
     load_full_optimizer_state,
 )
-from parallel.comm import CommUnavailable, check_ops, make_comm
+from parallel.comm import OPS, CommUnavailable, TorchComm, check_ops, make_comm
 from parallel.loss import cross_entropy
 from parallel.mesh import (
     ParallelDims,
     build_mesh,
     parallel_dims,
+    tensor_parallel_ops,
     validate_comm_ops,
     validate_device,
     validate_model,
@@ -400,6 +401,46 @@ def test_context_parallel_asks_the_triton_path_for_its_ops() -> None:
     """apply_context_parallel requires the ops the Ulysses wrapper calls (seq_to_heads, heads_to_seq),
     by the names the triton path knows them."""
     run_ranks(_context_parallel_on_the_triton_path, 2)
+
+
+def _ops_a_step_calls(rank: int, world: int) -> None:
+    import parallel.comm as comm_module
+
+    called: set[str] = set()
+
+    class Recording(TorchComm):
+        pass
+
+    def recorded(op: str):
+        def call(self, *args, **kwargs):
+            called.add(op)
+            return getattr(TorchComm, op)(self, *args, **kwargs)
+
+        return call
+
+    for op in OPS:
+        setattr(Recording, op, recorded(op))
+    comm_module._PATHS["torch"] = Recording
+    torch.manual_seed(0)
+    tokens = torch.randint(0, small_args().vocab_size, (2, 8))
+    for training in (True, False):
+        called.clear()
+        model = full_model(small_args())
+        mesh = build_mesh(ParallelDims(dp=1, cp=1, tp=world), "cpu")
+        parallelize_llama(model, mesh, ParallelizeConfig(sequence_parallel=training, fsdp=False))
+        if training:
+            cross_entropy(model, model(tokens), torch.roll(tokens, -1, 1)).backward()
+        else:
+            with torch.no_grad():
+                model(tokens)
+        assert called == set(tensor_parallel_ops(sequence_parallel=training)), (training, called)
+
+
+def test_the_ops_checked_up_front_are_the_ops_a_step_calls() -> None:
+    """validate_comm_ops (before any work) and make_comm's `require` ask a comm path for exactly the
+    dispatched ops a training step (forward and backward) or a decode step calls: an op left out would
+    be found missing only at the first step."""
+    run_ranks(_ops_a_step_calls, 2)
 
 
 def test_check_comms_raises_a_kernel_timeout(monkeypatch) -> None:
