@@ -232,8 +232,9 @@ class TextStream:
 
     Each piece is decoded together with a few tokens before it (a SentencePiece decoder drops the
     leading space of a text, so a token decoded alone may lose the space that precedes it). A piece is
-    held back while it ends in an incomplete UTF-8 character (U+FFFD) or in a byte-fallback token: the
-    decoder turns a whole run of byte tokens into U+FFFDs when the run is not valid UTF-8, so a byte
+    held back while it ends in an incomplete UTF-8 character (U+FFFD), in a byte-fallback token or in a
+    token that decodes to nothing (a special token, skipped): the decoder turns a whole run of byte
+    tokens into U+FFFDs when the run is not valid UTF-8, and skipped tokens do not end a run, so a byte
     may still change the text of the bytes before it. Costs a few tokens' decoding per token."""
 
     CONTEXT = 5  # tokens decoded in front of the new ones
@@ -256,7 +257,7 @@ class TextStream:
     def push(self, token_id: int) -> str:
         """The text `token_id` completes ('' while it is held back)."""
         self.ids.append(token_id)
-        if token_id in self.tokenizer.byte_fallback_ids:
+        if token_id in self.tokenizer.byte_fallback_ids or not self.tokenizer.decode([token_id]):
             return ""
         piece = self._pending()
         if not piece or piece.endswith("\ufffd"):

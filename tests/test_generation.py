@@ -224,6 +224,18 @@ def test_text_stream_pieces_join_to_the_decoded_completion(tmp_path: Path) -> No
     assert truncated.flush() == "\ufffd"
 
 
+def test_text_stream_holds_bytes_across_a_skipped_special_token(tmp_path: Path) -> None:
+    """A special token (skipped when decoding) inside a byte-fallback run does not end the run: the
+    bytes before it are held until the run is closed, as the whole completion decodes them."""
+    sentencepiece = HFTokenizer(write_tokenizer_dir(tmp_path / "sp", "llama2_bos"))
+    prompt = sentencepiece.encode_prompt("the quick")
+    tokens = ("<0x40>", "<unk>", "<0xFE>", "▁fox")
+    completion = [sentencepiece.tokenizer.token_to_id(t) for t in tokens]
+    stream = TextStream(sentencepiece, prompt)
+    streamed = "".join(stream.push(token) for token in completion) + stream.flush()
+    assert streamed == sentencepiece.decode(prompt + completion)[len("the quick") :] == "\ufffd\ufffd fox"
+
+
 def test_text_stream_continues_a_prompt_ending_in_byte_fallback(tmp_path: Path) -> None:
     """A prompt whose last characters are byte-fallback tokens (CJK on Llama-2), then a completion
     that goes on in bytes: its characters are printed, not the U+FFFDs of the prompt's run decoded from
