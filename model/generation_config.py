@@ -10,13 +10,14 @@ from model.tokenizer import Tokenizer, read_json
 
 # transformers' top_k when generation_config.json asks for sampling without naming one.
 TRANSFORMERS_TOP_K = 50
-# generation_config.json settings by which transformers' generate would choose other tokens and that
-# weft does not apply, with the value that leaves each off.
+# generation_config.json settings by which transformers' generate would choose other tokens (or stop
+# elsewhere) and that weft does not apply, with the value that leaves each off.
 UNAPPLIED_SETTINGS = {
     "repetition_penalty": 1.0,
     "no_repeat_ngram_size": 0,
     "min_p": None,
     "typical_p": 1.0,
+    "top_h": None,
     "epsilon_cutoff": 0.0,
     "eta_cutoff": 0.0,
     "num_beams": 1,
@@ -30,6 +31,9 @@ UNAPPLIED_SETTINGS = {
     "forced_bos_token_id": None,
     "forced_eos_token_id": None,
     "exponential_decay_length_penalty": None,
+    "guidance_scale": 1.0,
+    "watermarking_config": None,
+    "stop_strings": None,
 }
 
 

@@ -323,6 +323,16 @@ def test_stop_ids_and_sampling_defaults_from_files(tmp_path: Path) -> None:
     extras = {"repetition_penalty": 1.5, "suppress_tokens": [], "min_p": 0.05, "no_repeat_ngram_size": 0}
     (directory / "generation_config.json").write_text(json.dumps(extras))
     assert unapplied_settings(directory) == ["repetition_penalty=1.5", "min_p=0.05"]
+    # transformers 5's other warpers and stops: top-H sampling, classifier-free guidance, a watermark,
+    # stop strings.
+    extras = {
+        "top_h": 0.4,
+        "guidance_scale": 1.5,
+        "watermarking_config": {"bias": 2.0},
+        "stop_strings": ["\n"],
+    }
+    (directory / "generation_config.json").write_text(json.dumps(extras))
+    assert [s.split("=")[0] for s in unapplied_settings(directory)] == list(extras)
 
 
 def serve_config(checkpoint: Path | None, **overrides) -> ServeConfig:
