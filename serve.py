@@ -366,10 +366,12 @@ def run(cfg: ServeConfig, run_dir: Path) -> None:
                 f"{args.max_seq_len}: lower them"
             )
         batch, prompt_len, cache_len = cfg.batch_size, cfg.prompt_len, cfg.prompt_len + cfg.decode_steps
+        shrink = "lower batch_size, prompt_len or decode_steps"
     else:
         batch, prompt_len = 1, len(completion.prompt_ids)
         cache_len = prompt_len + cfg.max_new_tokens
-    check_serving_fits(args, dims.tp, cfg.dtype, batch, prompt_len, cache_len, device)
+        shrink = "shorten the prompt or lower max_new_tokens"
+    check_serving_fits(args, dims.tp, cfg.dtype, batch, prompt_len, cache_len, device, shrink)
     mesh = build_mesh(dims, device.type) if dims.tp > 1 else None
     model = build_model(args, checkpoint, device, dtype, mesh, dims.comm)
 

@@ -94,9 +94,9 @@ def main() -> None:
             args.fp8, args.decode_kernels = fp8, decode_kernels
             label = "fp8" if fp8 else "bf16" if decode_kernels else "bf16 (stock)"
             try:  # the estimate decides alike on every rank
-                check_serving_fits(
-                    args, world, "bfloat16", max(opts.batch_sizes), opts.prompt_len, cache_len, device
-                )
+                shrink = "lower --batch-sizes, --prompt-len or --decode-steps"
+                batch = max(opts.batch_sizes)
+                check_serving_fits(args, world, "bfloat16", batch, opts.prompt_len, cache_len, device, shrink)
             except ValueError as err:
                 skip(f"{label}: {err}")
                 continue

@@ -192,13 +192,24 @@ def check_training_fits(
 
 
 def check_serving_fits(
-    args: ModelArgs, tp: int, dtype: str, batch: int, prompt_len: int, cache_len: int, device: torch.device
+    args: ModelArgs,
+    tp: int,
+    dtype: str,
+    batch: int,
+    prompt_len: int,
+    cache_len: int,
+    device: torch.device,
+    shrink: str,
 ) -> None:
-    """serve.py's check, for `batch` sequences of `prompt_len` prompt tokens in a cache of `cache_len`."""
+    """serve.py's check, for `batch` sequences of `prompt_len` prompt tokens in a cache of `cache_len`;
+    `shrink` is the advice that lowers those, in the caller's settings (a mode of serve.py sets only
+    some of them)."""
     estimate = serving_memory(args, tp, dtype, batch, prompt_len, cache_len)
     advice = [split_advice(device, "serve.py")]
     if "KV cache" in estimate.parts:  # past loading, the cache and the prefill may be what is too large
-        advice.insert(0, "lower batch_size or the prompt and decode lengths")
+        # Only advised where they are a fair share: beside weights that fill the device it cannot help.
+        if estimate.parts["KV cache"] + estimate.parts["prefill"] > estimate.total / 4:
+            advice.insert(0, shrink)
         if not args.fp8 and device.type == "cuda":
             advice.append("set model.fp8=true")
     check_fits(estimate, device, f"serving model {args.name}", advice)

@@ -103,16 +103,34 @@ def test_llama3_70b_in_fp8_fits_one_h200_and_in_bf16_not_one_h100(monkeypatch: p
     args = OmegaConf.to_object(composed("serve", "model=llama3_70b").model)
     args.fp8 = True
     monkeypatch.setattr(memory, "available_memory", lambda device: 139 * GIB)  # an H200's free memory
-    memory.check_serving_fits(args, 1, "bfloat16", 8, 512, 640, torch.device("cuda"))
+    memory.check_serving_fits(args, 1, "bfloat16", 8, 512, 640, torch.device("cuda"), "lower it")
     assert 66 * GIB < memory.serving_memory(args, 1, "bfloat16", 8, 512, 640).total < 72 * GIB
     args.fp8 = False
     monkeypatch.setattr(memory, "available_memory", lambda device: 79 * GIB)  # an H100's
     with pytest.raises(ValueError) as caught:
-        memory.check_serving_fits(args, 1, "bfloat16", 8, 512, 640, torch.device("cuda"))
+        memory.check_serving_fits(args, 1, "bfloat16", 8, 512, 640, torch.device("cuda"), "lower it")
     message = str(caught.value)
     assert message.startswith("serving model llama3_70b needs about 134.6 GiB per rank (weights 131.4,")
     assert "split the model over more GPUs (torchrun --nproc_per_node=N serve.py parallel.tp=N)" in message
     assert "set model.fp8=true" in message
+
+
+def test_serving_advice_lowers_what_the_mode_sets(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """serve.py's refusal advises lowering the settings of its mode (mode=generate has no batch_size),
+    and only where the KV cache and the prefill are a fair share of the estimate."""
+    from serve import run
+
+    monkeypatch.setattr(memory, "available_memory", lambda device: 2**20)
+    long = ["mode=generate", "device=cpu", "model.max_seq_len=100000", "max_new_tokens=90000"]
+    with pytest.raises(ValueError, match=r"per rank: shorten the prompt or lower max_new_tokens; or run on"):
+        run(composed("serve", *long), tmp_path)
+    with pytest.raises(
+        ValueError, match=r"per rank: lower batch_size, prompt_len or decode_steps; or run on"
+    ):
+        run(composed("serve", "device=cpu", "batch_size=4096"), tmp_path)
+    # The weights alone are too large: fewer tokens cannot help.
+    with pytest.raises(ValueError, match=r"per rank: run on GPUs; or pick a smaller model$"):
+        run(composed("serve", "mode=generate", "device=cpu", "max_new_tokens=4"), tmp_path)
 
 
 def test_serving_weights_are_allocated_in_the_serving_dtype() -> None:
