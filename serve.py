@@ -30,7 +30,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from configs.launch import command_line_overrides, launch, user_errors
 from configs.schema import ServeConfig
-from configs.validate import SERVE_DTYPES, check_mode_overrides, check_shape_overrides, validate_serve_config
+from configs.validate import (
+    SERVE_DTYPES,
+    check_mode_overrides,
+    check_prompt_override,
+    check_shape_overrides,
+    validate_serve_config,
+)
 from model.args import ModelArgs
 from model.chat import load_chat_template, read_messages, render_chat
 from model.decode import (
@@ -343,6 +349,7 @@ def stream_completion(model: Llama, completion: Completion, cfg: ServeConfig, de
 def run(cfg: ServeConfig, run_dir: Path) -> None:
     validate_serve_config(cfg)
     check_mode_overrides(cfg.mode, command_line_overrides(), cfg.messages)
+    check_prompt_override(command_line_overrides())
     device = distributed.resolve_device(cfg.device)
     dims = distributed.validate_parallel(cfg.parallel, distributed.world_size(), device)
     validate_comm_ops(dims, training=False)

@@ -118,6 +118,23 @@ def check_mode_overrides(mode: str, overrides: Sequence[str], messages: str | No
         )
 
 
+def check_prompt_override(overrides: Sequence[str]) -> None:
+    """Hydra reads an unquoted prompt=true, prompt=1e3 or prompt=1_000 as a bool or a number, which the
+    prompt (a string) then spells its own way ('True', '1000.0'): refused, not completed as another text."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for override in overrides:
+        if override_key(override) != "prompt":
+            continue
+        text = override.split("=", 1)[1]
+        value = OverridesParser.create().parse_overrides([override])[0].value()
+        if not isinstance(value, str) and str(value) != text:
+            raise ValueError(
+                f"{override} is read as the {type(value).__name__} {value}, so the prompt would be "
+                f"{str(value)!r}: quote it inside the shell's quotes: prompt=\"'{text}'\""
+            )
+
+
 def validate_train_config(cfg: TrainConfig) -> None:
     """train.py's keys and values (the model's shape is checked once a checkpoint may have set it)."""
     check_keys(cfg)

@@ -220,6 +220,7 @@ def assert_one_error_line(done, text: str) -> None:
         ("serve.py", ["prompt=hi"], "mode=bench ignores prompt=hi (mode=generate reads it): set mode="),
         ("serve.py", ["mode=generate", "batch_size=8", "decode_steps=9"], "ignores batch_size=8, decode"),
         ("serve.py", ["mode=generate", "messages=chat.json", "prompt=Hi"], "so prompt=Hi would be ignored"),
+        ("serve.py", ["mode=generate", "prompt=1e3"], "prompt=1e3 is read as the float 1000.0, so the"),
     ],
 )
 def test_script_prints_one_error_line(tmp_path: Path, script: str, overrides: list[str], text: str) -> None:
