@@ -168,6 +168,10 @@ def decode_tokens(
     """Complete prompt [B, S] token by token: yields each step's new tokens [B], up to `max_new_tokens`
     steps, and stops after the step in which every row has produced one of `stop_ids` (that token is
     yielded). `generator` makes sampling repeatable."""
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if max_new_tokens == 0:
+        return
     s = sampling or Sampling()
     check_tokens(prompt, model.args.vocab_size)
     batch, prompt_len = prompt.shape
@@ -201,4 +205,4 @@ def generate(
 ) -> torch.Tensor:
     """The new tokens [B, <= max_new_tokens] of `decode_tokens`, all at once."""
     steps = decode_tokens(model, prompt, max_new_tokens, sampling, stop_ids, cuda_graph, compile, generator)
-    return torch.stack(list(steps), dim=1)
+    return torch.stack(list(steps), dim=1) if max_new_tokens else prompt.new_empty(prompt.shape[0], 0)

@@ -281,6 +281,11 @@ def test_seeded_sampling_repeats() -> None:
 
     assert torch.equal(draw(1), draw(1))
     assert not torch.equal(draw(1), draw(2))
+    # No new tokens asked: none made (one was), and a negative count refused.
+    assert generate(model, prompt, 0, hot, cuda_graph=False).shape == (2, 0)
+    assert [len(generate(model, prompt, n, hot, cuda_graph=False)[0]) for n in (1, 2)] == [1, 2]
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
+        generate(model, prompt, -1, hot, cuda_graph=False)
 
 
 def test_tiny_temperature_draws_the_most_likely_token() -> None:
