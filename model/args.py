@@ -36,6 +36,8 @@ class ModelArgs:
     max_seq_len: int = 2048
     # Share the input embedding with the output projection.
     tie_embeddings: bool = False
+    # Std of the random initial projections (wo and w2 divided by sqrt(2 * n_layers); model/llama.py's
+    # init_plan); a tied embedding starts with it too.
     init_std: float = 0.02
     # Decode only: run linear layers on FP8 weights (per-channel scales) with weft's FP8 kernels.
     fp8: bool = False
