@@ -37,7 +37,7 @@
 #   a2a       the Ulysses all-to-all against the stock path and bare all_to_all_single, and the node's
 #             floor for its traffic (bench_push_floor: pushes to every peer at once, nothing else)
 #   ar        the decode all-reduce size sweep against NCCL and torch's one-/two-shot, and the push
-#             kernels' launch sweep (the source of their LAUNCH rows, not yet measured)
+#             kernels' launch sweep (the source of their LAUNCH rows, measured on 4x H100 and 4x H200)
 #   train     tensor + sequence parallel training throughput of Llama-3-8B shapes, every comm path, and
 #             the per-step losses of 53 steps on each (the same weights and tokens on every path)
 #   cp        Ulysses loss curves (debug model) at cp = 1, 2, 4 on the triton path

@@ -87,7 +87,7 @@ FLAG_BYTES = tl.constexpr(MAX_PROGRAMS.value * MAX_WORLD.value * MAX_CHUNKS.valu
 IMAGE_ALIGN = 256
 # The pipeline: a program's rows are cut into about TARGET_CHUNKS chunks (the last chunk's copy-out is
 # the part not hidden behind pushes), each of at least MIN_CHUNK_BYTES (every chunk costs a release of
-# its flags, which waits for its remote stores). On 4x H100 (all_to_all-h100-x4.md, launcher sweep of
+# its flags, which waits for its remote stores). On 4x H100 (earlier all_to_all-h100-x4.md, sweep of
 # q/k/v at S = 32768) 8 chunks were fastest at H = 32 in two runs (0.333 ms against 0.406 at 16), and
 # at H = 8, where 16 KiB chunks made 8 of them, one chunk of 126 KiB took 0.159 ms against 0.199.
 TARGET_CHUNKS = 8
@@ -443,12 +443,13 @@ def launch_all_to_all(
 ) -> None:
     """Run the kernel: `outs` (from `new_output`) receive the exchange of `xs` (kernel-`readable`).
     `rotate_peers`: each program starts its pushes at a peer of its own (`push_block`), rather than every
-    program at rank + 1. On 4x H100 (all_to_all-h100-x4.md, launch sweep of q/k/v at S = 32768)
+    program at rank + 1. On 4x H100 (all_to_all-h100-x4.md of 2026-11-26 20:39, launch sweep at S = 32768)
     rotation was faster at 46 of 48 settings of programs, warps and chunks (the two others at H = 8, 8
     warps: 174.2 and 178.9 against 178.1 and 179.2 GB/s a rank), and 16 warps faster than 8: at H = 32,
     one program per SM, 16 warps and 4-8 chunks 275.6-278.5 against 252.5 for the launch before (8
     warps, 8 chunks, rank + 1 first); at H = 8 186.8-192.8 against 178.1. The node's floor for such
-    pushes is 343 GB/s (push_floor-h100-x4.md)."""
+    pushes is 343 GB/s (push_floor-h100-x4.md). The re-run with aligned ranks (2026-11-27 00:29): rotation
+    faster at 34 of 48, the default 293.4 against 291.7 at H = 32."""
     world, rank = buf.world_size, buf.rank
     x0 = xs[0]
     bsz, _, seq_in, dim = x0.shape

@@ -65,8 +65,8 @@ KiB, MiB = 1 << 10, 1 << 20
 # two-shot pays a second barrier). The push kernels are not measured on 2 GPUs: replace from a sweep.
 # World 4 (`torchrun --nproc_per_node=4 -m benchmarks.bench_all_reduce` on 4x H100,
 # benchmarks/results/all_reduce-h100-x4.md): the push kernels beat both copy-in kernels at every size,
-# one-shot push up to 128 KiB (3.5-4.6 us against 7.3-8.4 us), two-shot push from 256 KiB (5.4 us;
-# 9.3 us at 1 MiB against 17.0). Past push_max_size the copy-in two-shot is the faster of the rest.
+# one-shot push up to 128 KiB (3.9-6.2 us against 7.7-10.1 us), two-shot push from 256 KiB (5.9 us;
+# 9.9 us at 1 MiB against 18.8). Past push_max_size the copy-in two-shot is the faster of the rest.
 # World 8 is NOT measured (no 8-GPU machine was lent): one-shot reads (W - 1) x size per rank,
 # two-shot 2 (W - 1) / W x size, so the copy-in crossover is placed at a quarter of world 4's on
 # 4x H200 (512 KiB): replace with a sweep on 8 GPUs.

@@ -204,7 +204,7 @@ class TransformerBlock(nn.Module):
 
 def init_plan(args: ModelArgs) -> list[tuple[str, Callable[[torch.Tensor], object]]]:
     """(parameter name, in-place initialiser) of every weight, in the order the random ones are drawn:
-    truncated normal, with the projections that write into the residual stream (wo, w2) scaled down
+    (truncated) normal, with the projections that write into the residual stream (wo, w2) scaled down
     with depth so the residual's variance stays put as layers are added. A parallelized model follows
     the same plan on full-shape tensors and keeps its slices (parallel/checkpoint.py), so it starts
     from the weights of the unsharded model."""

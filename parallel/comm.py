@@ -214,9 +214,9 @@ class SymmMemComm(Comm):
     on the stock path (`all_to_all_single` on NCCL); the plain all-gather / reduce-scatter likewise."""
 
     name = "symm_mem"
-    # Up to this many bytes the one-shot all-reduce (every rank reads all peers) is faster than the
-    # two-shot (reduce-scatter + all-gather in symmetric memory): the torch columns of
-    # benchmarks/results/all_reduce-h200-x4.md (4x H200).
+    # Up to this many bytes the one-shot all-reduce (every rank reads all peers) rather than the
+    # two-shot (reduce-scatter + all-gather in symmetric memory): faster at 64-128 KiB, within 0.5 us
+    # below, in the torch columns of benchmarks/results/all_reduce-h200-x4.md (4x H200).
     ONE_SHOT_MAX_BYTES = 128 * 1024
 
     def __init__(self, group: dist.ProcessGroup) -> None:
