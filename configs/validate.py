@@ -43,6 +43,8 @@ def check_keys(cfg: DictConfig, prefix: str = "") -> None:
 
 
 def at_least(key: str, value: float, low: float) -> tuple[bool, str]:
+    if not math.isfinite(value):  # inf passes `>= low` (weight_decay=inf then trains to NaN)
+        return False, f"{key}={value} must be a finite number >= {low}"
     return value >= low, f"{key}={value} must be >= {low}"
 
 

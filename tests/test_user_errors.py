@@ -74,6 +74,8 @@ def test_config_errors_name_the_valid_choices(overrides: list[str], message: str
         ("training.min_lr_ratio=1.5", "training.min_lr_ratio=1.5 must be in [0, 1]"),
         ("training.warmup_steps=-1", "training.warmup_steps=-1 must be >= 0"),
         ("training.weight_decay=-0.1", "training.weight_decay=-0.1 must be >= 0"),
+        ("training.weight_decay=inf", "training.weight_decay=inf must be a finite number >= 0"),
+        ("training.grad_clip=nan", "training.grad_clip=nan must be a finite number >= 0"),
         ("training.beta1=1", "training.beta1=1.0 must be in [0, 1)"),
         ("training.beta2=-0.5", "training.beta2=-0.5 must be in [0, 1)"),
         ("training.grad_clip=-1", "training.grad_clip=-1.0 must be >= 0"),
