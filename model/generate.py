@@ -167,7 +167,8 @@ def decode_tokens(
 ) -> Iterator[torch.Tensor]:
     """Complete prompt [B, S] token by token: yields each step's new tokens [B], up to `max_new_tokens`
     steps, and stops after the step in which every row has produced one of `stop_ids` (that token is
-    yielded). `generator` makes sampling repeatable."""
+    yielded). A row that has stopped before the others gets stop_ids[0] from then on, as transformers
+    pads it. `generator` makes sampling repeatable."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if max_new_tokens == 0:
@@ -187,6 +188,8 @@ def decode_tokens(
             if bool(finished.all()):
                 break
             token = choose(step(token, pos))
+            if batch > 1 and len(stop_ids):  # (one row: the loop has ended once it stops)
+                token = torch.where(finished, stops[0], token)
             finished |= torch.isin(token, stops)
             yield token
     finally:

@@ -288,6 +288,22 @@ def test_seeded_sampling_repeats() -> None:
         generate(model, prompt, -1, hot, cuda_graph=False)
 
 
+def test_a_row_that_stops_first_is_padded_with_the_stop_id() -> None:
+    """Batch 2, greedy: the row that meets a stop id first gets that id for the rest of the steps (as
+    transformers pads it), while the other row completes as it would without stop ids."""
+    torch.manual_seed(0)
+    model = Llama(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, ffn_hidden=96))
+    model.init_weights()
+    prompt = torch.randint(0, 97, (2, 5))
+    free = generate(model, prompt, 12, cuda_graph=False)
+    j, stop = next(
+        (j, t) for j, t in enumerate(free[0].tolist()) if t not in free[1] and t not in free[0, :j] and j < 8
+    )
+    got = generate(model, prompt, 12, stop_ids=[stop], cuda_graph=False)
+    assert torch.equal(got[0, : j + 1], free[0, : j + 1]) and (got[0, j + 1 :] == stop).all()
+    assert torch.equal(got[1], free[1])
+
+
 def test_tiny_temperature_draws_the_most_likely_token() -> None:
     """1 / temperature overflows every logit to +-inf; the draw is still the argmax, not NaN."""
     logits = torch.randn(3, 50) * 10
