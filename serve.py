@@ -348,8 +348,9 @@ def stream_completion(model: Llama, completion: Completion, cfg: ServeConfig, de
 
 def run(cfg: ServeConfig, run_dir: Path) -> None:
     validate_serve_config(cfg)
-    check_mode_overrides(cfg.mode, command_line_overrides(), cfg.messages)
-    check_prompt_override(command_line_overrides())
+    overrides = command_line_overrides()
+    check_mode_overrides(cfg.mode, overrides, cfg.messages)
+    check_prompt_override(overrides)
     device = distributed.resolve_device(cfg.device)
     dims = distributed.validate_parallel(cfg.parallel, distributed.world_size(), device)
     validate_comm_ops(dims, training=False)
@@ -362,7 +363,7 @@ def run(cfg: ServeConfig, run_dir: Path) -> None:
     dtype = DTYPES[cfg.dtype]
     torch.manual_seed(cfg.seed)
     if cfg.checkpoint is not None:
-        check_shape_overrides(command_line_overrides(), "checkpoint")
+        check_shape_overrides(overrides, "checkpoint")
     checkpoint, args = resolve_init_weights(cfg.checkpoint, OmegaConf.to_object(cfg.model))
     validate_model(dims, args)
     completion = prepare_completion(cfg, checkpoint, args) if cfg.mode == "generate" else None
