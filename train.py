@@ -364,6 +364,7 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
         seed=t.seed,
     )
 
+    autocast_dtype = getattr(torch, t.dtype) if device.type == "cuda" and t.dtype != "float32" else None
     with torch.device("meta"):
         model = Llama(args)
     if mesh is not None:
@@ -374,6 +375,7 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
             activation_checkpointing=t.activation_checkpointing,
             compile=t.compile,
             fsdp=True,
+            fsdp_param_dtype=autocast_dtype,
         )
         parallelize_llama(model, mesh, plan)
     materialize(model, device, init_path)
@@ -409,7 +411,6 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
         )
     if t.compile and mesh is None:  # (parallelize_llama compiles each block)
         train_model = torch.compile(train_model)
-    autocast_dtype = getattr(torch, t.dtype) if device.type == "cuda" and t.dtype != "float32" else None
 
     if rank == 0:
         save_tokenizer(tokenizer, run_dir)

@@ -6,12 +6,15 @@
 
 Llama-3-8B's width (dim 4096, 32 heads / 8 kv heads, MLP 14336, vocabulary 128256) with fewer layers
 so a run fits in minutes; bf16 autocast over fp32 weights, AdamW, one sequence of 8192 tokens per step
-(dp = 1: all ranks are one tensor-parallel group). Reports tokens/s per GPU and MFU (model FLOPs per
-token from ModelArgs.training_flops_per_token, dense bf16 peak of the GPU) per comm path; a path that
-cannot run here (e.g. symm_mem or triton without peer access between the GPUs) gets a row saying
-why. Every path starts from the same weights and trains on the same tokens, so their per-step losses,
-written beside the table (train_tp_losses-...), say whether the comm paths compute the same training.
-Writes benchmarks/results/train_tp-llama3_8b-L<layers>-<gpu>-x<W>.json / .md.
+(dp = 1: all ranks are one tensor-parallel group). With --tp below the ranks, FSDP2 shards over dp =
+ranks / tp (every dp rank on the same tokens) and gathers the weights in each dtype of --fsdp-gather
+(train.py's: the autocast dtype), a row each: `--tp 1 --comms torch --fsdp-gather bfloat16 float32`.
+Reports tokens/s per GPU and MFU (model FLOPs per token from ModelArgs.training_flops_per_token, dense
+bf16 peak of the GPU) per comm path; a path that cannot run here (e.g. symm_mem or triton without peer
+access between the GPUs) gets a row saying why. Every path starts from the same weights and trains on
+the same tokens, so their per-step losses, written beside the table (train_tp_losses-...), say whether
+the comm paths compute the same training. Writes benchmarks/results/train_tp-llama3_8b-L<layers>-<gpu>-
+x<W>.json / .md (under FSDP2 train_tp<tp>_fsdp<dp>-...).
 """
 
 from __future__ import annotations
@@ -82,10 +85,12 @@ def queue_and_gpu_ms(step: Callable[[], None], step_s: float, samples: int = 3) 
     return slowest(statistics.median(host) * 1e3), slowest(statistics.median(gpu))
 
 
-def bench_path(comm: str, opts, args: ModelArgs, device: torch.device) -> dict[str, object]:
+def bench_path(comm: str, gather: str, opts, args: ModelArgs, device: torch.device) -> dict[str, object]:
     world = dist.get_world_size()
     dims = ParallelDims(dp=world // opts.tp, cp=1, tp=opts.tp, comm=comm)
     row: dict[str, object] = {"comm": comm, "tp": opts.tp, "layers": args.n_layers, "seq": opts.seq}
+    if dims.dp > 1:
+        row["fsdp_gather"] = gather
     try:
         validate_device(dims, device)
         validate_model(dims, args, seq_len=opts.seq)
@@ -96,6 +101,7 @@ def bench_path(comm: str, opts, args: ModelArgs, device: torch.device) -> dict[s
             save_gathered=not opts.regather,
             activation_checkpointing=opts.activation_checkpointing,
             compile=opts.compile,
+            fsdp_param_dtype=getattr(torch, gather),
         )
         # Shard on the meta device, then materialise only this rank's slices (random weights).
         parallelize_llama(model, build_mesh(dims, "cuda"), plan)
@@ -168,6 +174,10 @@ def compare_losses(losses: dict[str, list[float]]) -> tuple[list[dict[str, objec
     return rows, diffs
 
 
+def path_name(row: dict[str, object], with_gather: bool) -> str:
+    return f"{row['comm']} {row['fsdp_gather']}" if with_gather else str(row["comm"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--comms", nargs="+", default=["torch", "symm_mem", "triton"])
@@ -180,6 +190,13 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile each block")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--regather", action="store_true", help="re-gather AG-matmul inputs in the backward")
+    parser.add_argument(
+        "--fsdp-gather",
+        nargs="+",
+        default=["bfloat16"],
+        choices=["bfloat16", "float32"],
+        help="dtypes in which FSDP2 gathers the blocks' weights (tp below the ranks), each a row",
+    )
     opts = parser.parse_args()
 
     if not torch.cuda.is_available() or "LOCAL_RANK" not in os.environ:
@@ -191,44 +208,55 @@ def main() -> None:
     dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
     opts.tp = opts.tp or dist.get_world_size()
     args = llama3_8b(opts.layers, opts.seq)
+    gathers = opts.fsdp_gather if opts.tp < dist.get_world_size() else opts.fsdp_gather[:1]
     rows = []
     for comm in opts.comms:
-        rows.append(bench_path(comm, opts, args, device))
-        gc.collect()  # the previous path's model and optimizer
-        torch.cuda.empty_cache()
-    losses = {row["comm"]: row.pop("losses") for row in rows if "losses" in row}
+        for gather in gathers:
+            rows.append(bench_path(comm, gather, opts, args, device))
+            gc.collect()  # the previous path's model and optimizer
+            torch.cuda.empty_cache()
+    # A path: its comm, and its gather dtype where several were asked for.
+    losses = {path_name(row, len(gathers) > 1): row.pop("losses") for row in rows if "losses" in row}
     loss_rows, diffs = compare_losses(losses)
     if losses:
         column = f"max loss diff vs {next(iter(losses))}"
         for row in rows:  # None for a path that did not run
-            row[column] = diffs.get(row["comm"])
+            row[column] = diffs.get(path_name(row, len(gathers) > 1))
     if dist.get_rank() == 0:
         switches = [
             ("--compile", opts.compile),
             ("--activation-checkpointing", opts.activation_checkpointing),
             ("--regather", opts.regather),
         ]
-        flags = " ".join(flag for flag, on in switches if on)
-        command = (
-            f"torchrun --nproc_per_node={dist.get_world_size()} -m benchmarks.bench_train_tp "
-            f"--layers {opts.layers} --seq {opts.seq} --batch {opts.batch} --tp {opts.tp} "
-            f"--steps {opts.steps} {flags}"
+        flags = [flag for flag, on in switches if on]
+        dp = dist.get_world_size() // opts.tp
+        if dp > 1:
+            flags.append(f"--fsdp-gather {' '.join(gathers)}")
+        command = " ".join(
+            [
+                f"torchrun --nproc_per_node={dist.get_world_size()} -m benchmarks.bench_train_tp",
+                f"--layers {opts.layers} --seq {opts.seq} --batch {opts.batch} --tp {opts.tp}",
+                f"--steps {opts.steps}",
+                *flags,
+            ]
         )
+        # tp = every rank keeps the file names of the tensor-parallel runs; FSDP2 over dp gets its own.
+        name = "train_tp" if dp == 1 else f"train_tp{opts.tp}_fsdp{dp}"
         notes = (
-            f"`{command.strip()}`: Llama-3-8B width, {opts.layers} layers, bf16 autocast, AdamW; mean of "
+            f"`{command}`: Llama-3-8B width, {opts.layers} layers, bf16 autocast, AdamW; mean of "
             f"{opts.steps} steps after {opts.warmup} warm-up steps, every path from the same weights on the "
             "same tokens; host_ms: the host's time to queue one step on an idle GPU, gpu_ms: the GPU's time "
             "to run one step queued behind a GPU sleep and a one-word all-reduce that aligns the ranks "
             "(host_ms above gpu_ms: the step waits on the host) (max loss diff: the largest difference of a "
-            f"step's loss from the first path's, train_tp_losses-llama3_8b-L{opts.layers}). MFU = "
-            "tokens/s/GPU x model FLOPs/token / dense bf16 peak."
+            f"step's loss from the first path's, {name}_losses-llama3_8b-L{opts.layers}); memory_gb: the "
+            "peak of allocated GPU memory. MFU = tokens/s/GPU x model FLOPs/token / dense bf16 peak."
         )
-        write_results(f"train_tp-llama3_8b-L{opts.layers}", rows, notes=notes, device=device_name())
+        write_results(f"{name}-llama3_8b-L{opts.layers}", rows, notes=notes, device=device_name())
         if loss_rows:
             write_results(
-                f"train_tp_losses-llama3_8b-L{opts.layers}",
+                f"{name}_losses-llama3_8b-L{opts.layers}",
                 loss_rows,
-                notes=f"`{command.strip()}`: the loss of every step ({opts.warmup} warm-up steps, then "
+                notes=f"`{command}`: the loss of every step ({opts.warmup} warm-up steps, then "
                 f"{opts.steps} timed) on each comm path, the same initial weights and tokens on every path.",
                 device=device_name(),
             )

@@ -40,6 +40,8 @@
 #             kernels' launch sweep (the source of their LAUNCH rows, measured on 4x H100 and 4x H200)
 #   train     tensor + sequence parallel training throughput of Llama-3-8B shapes, every comm path, and
 #             the per-step losses of 53 steps on each (the same weights and tokens on every path)
+#   fsdp      FSDP2 training throughput and memory of the same shapes (8 layers, tp = 1, dp = N), the
+#             blocks' weights gathered in bf16 (train.py's) and in fp32 (the weights' own)
 #   cp        Ulysses loss curves (debug model) at cp = 1, 2, 4 on the triton path
 #   decode    tensor-parallel decode of llama3_70b at tp = N on every comm path, bf16 and FP8, compiled
 #             (weft's path first: one process runs them all, and a path that crashes it ends the rest)
@@ -84,6 +86,7 @@ step_command() {
     a2a) echo "${RUN[*]} benchmarks/bench_all_to_all.py && ${RUN[*]} benchmarks/bench_push_floor.py" ;;
     ar) echo "${RUN[*]} -m benchmarks.bench_all_reduce --sweep --sweep-algos one_shot_push,two_shot_push" ;;
     train) echo "${RUN[*]} -m benchmarks.bench_train_tp --steps 50" ;;
+    fsdp) echo "${RUN[*]} -m benchmarks.bench_train_tp --tp 1 --comms torch --layers 8 --fsdp-gather bfloat16 float32" ;;
     cp) echo "$PY -m benchmarks.loss_curves --device cuda --dim cp --degrees$(cp_degrees) parallel.comm=triton" ;;
     decode) echo "${RUN[*]} -m benchmarks.bench_decode --model llama3_70b --batch-sizes 1 8 --fp8 --compile --comms triton torch symm_mem" ;;
     fp8) echo "$PY -m benchmarks.bench_fp8 && $PY -m benchmarks.bench_fp8_floors && $PY -m benchmarks.bench_decode --model llama3_8b --fp8 && $PY -m benchmarks.bench_decode --model llama3_8b --batch-sizes 1 8 --fp8 --compile" ;;
@@ -92,7 +95,7 @@ step_command() {
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests ag rs a2a ar train cp decode fp8)
+[ ${#steps[@]} -eq 0 ] && steps=(tests ag rs a2a ar train fsdp cp decode fp8)
 for s in "${steps[@]}"; do
   step_command "$s" >/dev/null || { echo "unknown step '$s': see the list at the top of $0" >&2; exit 2; }
 done

@@ -22,8 +22,9 @@ class ParallelConfig:
     cp: int = 1
     # Communication path for tensor/sequence parallel ops: torch | symm_mem | triton.
     comm: str = "torch"
-    # Data parallelism with FSDP2 (fully_shard: parameters, gradients and optimizer state sharded) even
-    # when tp = cp = 1 (else DDP there). Always used over dp when tp * cp > 1.
+    # Data parallelism with FSDP2 (fully_shard: parameters, gradients and optimizer state sharded; each
+    # block's weights gathered in training.dtype) even when tp = cp = 1 (else DDP there). Always used over
+    # dp when tp * cp > 1.
     fsdp: bool = False
 
 

@@ -61,9 +61,11 @@ def training_memory(
     """A training rank's peak: fp32 weights, gradients and AdamW's two moments (split over tp, and over
     every rank when FSDP2 shards them: `sharded`), DDP's gradient buckets when replicated over several
     ranks, and one micro-batch's activations (`activation_bytes` per element: 2 under bf16 autocast).
-    Autocast also makes a bf16 copy of every matmul weight, which the backward keeps where it saved
+    Unsharded, autocast makes a bf16 copy of every matmul weight, which the backward keeps where it saved
     them: every block's without activation checkpointing, with it the recomputed block's and the output
-    projection's. Split over tp only, as FSDP2 gathers each block's weights whole before they are cast."""
+    projection's. FSDP2 holds gathered weights instead (parallel/parallelize.py): the embedding in fp32
+    through the step, the output projection in the compute dtype (a tied one: autocast's copy of the
+    embedding), and two blocks' weights in the compute dtype, the running one's and the next one's."""
     params = args.num_params() / (dims.world if sharded else dims.tp)
     ddp_buckets = 4 * params if not sharded and dims.world > 1 else 0
     split = dims.tp * dims.cp  # sequence parallelism splits every activation over tp * cp
@@ -81,7 +83,12 @@ def training_memory(
         "AdamW state": 8 * params,
         "activations": activations + logits,
     }
-    if activation_bytes < 4:
+    if sharded:
+        table = args.vocab_size * args.dim / dims.tp
+        block = (args.layer_matmul_params() + 2 * args.dim) / dims.tp
+        output = 0 if args.tie_embeddings and activation_bytes == 4 else activation_bytes * table
+        parts["gathered weights"] = 4 * table + output + 2 * activation_bytes * block
+    elif activation_bytes < 4:
         blocks = 1 if activation_checkpointing else args.n_layers
         matmul_params = blocks * args.layer_matmul_params() + args.vocab_size * args.dim
         parts["autocast weight copies"] = activation_bytes * matmul_params / dims.tp

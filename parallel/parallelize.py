@@ -55,6 +55,9 @@ class ParallelizeConfig:
     # FSDP2 (fully_shard) over the data-parallel ranks (dp, and cp folded in) when there are several.
     # False leaves gradients unsynchronised over dp / cp: for decode, or a caller that syncs them.
     fsdp: bool = True
+    # Under FSDP2, the dtype in which the blocks and an untied output projection gather their weights and
+    # compute (train.py: the autocast dtype); None: the weights' own (float32).
+    fsdp_param_dtype: torch.dtype | None = None
 
 
 @dataclass
@@ -197,11 +200,20 @@ def parallelize_llama(model: Llama, mesh: DeviceMesh, cfg: ParallelizeConfig | N
     if use_fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        # Gathered in bf16, a block's weights cross the links in half the bytes, and its matmuls save
+        # those gathered weights, which FSDP2 frees after the block's forward and gathers again for its
+        # backward; autocast's own bf16 copies of float32 weights lived, unsharded, from every block's
+        # forward to its backward. Inputs are not cast: the residual stream stays float32, as in the
+        # unsharded model under autocast. The embedding (and a tied output projection) stays float32.
+        low = MixedPrecisionPolicy(
+            param_dtype=cfg.fsdp_param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
         for i, block in enumerate(model.layers):
             # The last block's parameters are needed again at once by the backward: keep them gathered.
-            fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(model.layers) - 1)
-        fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+            fully_shard(block, mesh=dp_mesh, mp_policy=low, reshard_after_forward=i < len(model.layers) - 1)
+        if model.output.weight is not model.tok_embeddings.weight:
+            fully_shard(model.output, mesh=dp_mesh, mp_policy=low, reshard_after_forward=False)
+        fully_shard(model, mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
     model.parallel = ParallelState(
         mesh=mesh,
         tp_ctx=tp_ctx,

@@ -184,13 +184,63 @@ def _check_meta_init(rank: int, world: int) -> None:
                 assert torch.equal(full[name], t), (tie, name)
 
 
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got.float() - expected).norm() / expected.norm()).item()
+
+
+def _check_fsdp_gathers_in_autocast_dtype(rank: int, world: int, tp: int, tie: bool) -> None:
+    """FSDP2 with fsdp_param_dtype=bf16 under bf16 autocast (train.py's on a GPU): the blocks and an
+    untied output projection compute with bf16 weights as gathered, the residual stream stays float32,
+    and the loss and gradients are those of the unsharded model under autocast."""
+    args = small_args(tie)
+    reference = full_model(args)
+    model = copy.deepcopy(reference)
+    torch.manual_seed(1)
+    tokens = torch.randint(0, args.vocab_size, (4, 16))
+    targets = torch.randint(0, args.vocab_size, (4, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_logits = reference(tokens)
+    ref_loss = F.cross_entropy(ref_logits.flatten(0, 1).float(), targets.flatten())
+    ref_loss.backward()
+
+    dp = world // tp
+    mesh = build_mesh(ParallelDims(dp=dp, cp=1, tp=tp), "cpu")
+    parallelize_llama(model, mesh, ParallelizeConfig(fsdp_param_dtype=torch.bfloat16))
+    seen: dict[str, torch.dtype] = {}
+    block = model.layers[0]
+    block.feed_forward.register_forward_pre_hook(lambda m, a: seen.update(weight=m.w1.weight.dtype))
+    block.register_forward_hook(lambda m, a, out: seen.update(residual=out.dtype))
+    model.output.register_forward_pre_hook(lambda m, a: seen.update(output=m.weight.dtype))
+    rows = slice(mesh["dp"].get_local_rank() * 4 // dp, (mesh["dp"].get_local_rank() + 1) * 4 // dp)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = cross_entropy(model, model(tokens[rows]), targets[rows])
+    loss.backward()
+    assert seen == {
+        "weight": torch.bfloat16,
+        "residual": torch.float32,
+        "output": torch.float32 if tie else torch.bfloat16,  # tied: the float32 embedding
+    }, seen
+    mean_loss = loss.detach().clone()
+    dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG, group=model.parallel.dp_group)
+    torch.testing.assert_close(mean_loss, ref_loss.detach(), rtol=1e-4, atol=0)
+    ref_params = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.dtype == p.grad.dtype == torch.float32, name  # fp32 shards, gradients reduced in fp32
+        # bf16 matmuls summed over dp in another order, norm gradients rounded to bf16.
+        error = _relative_error(_full(p.grad, name, model.parallel), ref_params[name].grad)
+        assert error < 2e-2, (name, error)
+
+
 def _run_cases(rank: int, world: int, cases: list[Case], generation: bool) -> None:
     for case in cases:
         _check_training(case, rank, world)
     if generation:
         _check_generation(rank, world)
+        for tie in (False, True):
+            _check_fsdp_gathers_in_autocast_dtype(rank, world, tp=1, tie=tie)
     else:
         _check_meta_init(rank, world)
+        _check_fsdp_gathers_in_autocast_dtype(rank, world, tp=2, tie=False)
 
 
 WORLD2 = [

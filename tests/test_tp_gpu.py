@@ -1,7 +1,8 @@
 """Tensor + sequence parallel on 4 ranks (4 GPUs, or ranks sharing GPUs, then without symm_mem): on
 every comm path (torch, symm_mem, triton) logits, loss and every gradient of the TP + SP model (bf16
 autocast) match the single-GPU model at bf16 tolerance, and TP decode (fp32, CUDA graphs) gives the
-tp=1 tokens (eager, CUDA graph, compiled + graph; eager only on gloo); FSDP2 x TP (dp=2, tp=2) trains.
+tp=1 tokens (eager, CUDA graph, compiled + graph; eager only on gloo); FSDP2 x TP (dp=2, tp=2, weights
+gathered in bf16, activation checkpointing) trains.
 
     pytest -q tests/test_tp_gpu.py          # on a host with 4 GPUs
     python -m parallel.shared_gpu --ranks 4 -- python -m pytest -q tests/test_tp_gpu.py   # on one GPU
@@ -84,7 +85,8 @@ def _fsdp_tp_trains(device: torch.device) -> None:
     args = small_args()
     model = full_model(args).to(device)
     mesh = build_mesh(ParallelDims(dp=2, cp=1, tp=2), "cuda")
-    parallelize_llama(model, mesh, ParallelizeConfig(fsdp=True, activation_checkpointing=True))
+    plan = ParallelizeConfig(fsdp=True, activation_checkpointing=True, fsdp_param_dtype=torch.bfloat16)
+    parallelize_llama(model, mesh, plan)
     assert model.parallel.fsdp
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(10 + mesh["dp"].get_local_rank())  # each dp rank its own (fixed) batch
