@@ -191,7 +191,8 @@ def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 def _check_fsdp_gathers_in_autocast_dtype(rank: int, world: int, tp: int, tie: bool) -> None:
     """FSDP2 with fsdp_param_dtype=bf16 under bf16 autocast (train.py's on a GPU): the blocks and an
     untied output projection compute with bf16 weights as gathered, the residual stream stays float32,
-    and the loss and gradients are those of the unsharded model under autocast."""
+    and the loss and gradients (accumulated over two micro-batches) are those of the unsharded model
+    under autocast."""
     args = small_args(tie)
     reference = full_model(args)
     model = copy.deepcopy(reference)
@@ -211,18 +212,25 @@ def _check_fsdp_gathers_in_autocast_dtype(rank: int, world: int, tp: int, tie: b
     block.feed_forward.register_forward_pre_hook(lambda m, a: seen.update(weight=m.w1.weight.dtype))
     block.register_forward_hook(lambda m, a, out: seen.update(residual=out.dtype))
     model.output.register_forward_pre_hook(lambda m, a: seen.update(output=m.weight.dtype))
-    rows = slice(mesh["dp"].get_local_rank() * 4 // dp, (mesh["dp"].get_local_rank() + 1) * 4 // dp)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = cross_entropy(model, model(tokens[rows]), targets[rows])
-    loss.backward()
+    # This rank's rows in two micro-batches, gradients reduced after the second only (train.py's
+    # grad_accum): FSDP2 accumulates the bf16 gradients in fp32 in between.
+    per_micro = 4 // dp // 2
+    first = mesh["dp"].get_local_rank() * 2 * per_micro
+    loss = torch.zeros(())
+    for micro in range(2):
+        model.set_requires_gradient_sync(micro == 1)
+        rows = slice(first + micro * per_micro, first + (micro + 1) * per_micro)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            micro_loss = cross_entropy(model, model(tokens[rows]), targets[rows]) / 2
+        micro_loss.backward()
+        loss += micro_loss.detach()
     assert seen == {
         "weight": torch.bfloat16,
         "residual": torch.float32,
         "output": torch.float32 if tie else torch.bfloat16,  # tied: the float32 embedding
     }, seen
-    mean_loss = loss.detach().clone()
-    dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG, group=model.parallel.dp_group)
-    torch.testing.assert_close(mean_loss, ref_loss.detach(), rtol=1e-4, atol=0)
+    dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=model.parallel.dp_group)
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-4, atol=0)
     ref_params = dict(reference.named_parameters())
     for name, p in model.named_parameters():
         assert p.dtype == p.grad.dtype == torch.float32, name  # fp32 shards, gradients reduced in fp32
