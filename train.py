@@ -337,9 +337,9 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
             f"training.seq_len={t.seq_len} exceeds the model's max_seq_len={args.max_seq_len}: {fix}"
         )
     validate_model(dims, args, seq_len=t.seq_len)
-    # Tensor / context parallel (or FSDP asked for): the (dp, cp, tp) mesh and parallelize_llama.
+    # Tensor / context parallel (or FSDP or HSDP asked for): the (dp, cp, tp) mesh and parallelize_llama.
     # Otherwise every rank holds the whole model and DDP averages gradients, as before.
-    sharded = dims.model_parallel or (world > 1 and cfg.parallel.fsdp)
+    sharded = dims.model_parallel or (world > 1 and cfg.parallel.fsdp) or dims.dp_replicate > 1
     check_training_fits(args, dims, t, sharded, device)
     mesh = build_mesh(dims, device.type) if sharded else None
     dp_rank = mesh["dp"].get_local_rank() if mesh is not None else rank
@@ -416,7 +416,12 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
         save_tokenizer(tokenizer, run_dir)
         if resumed is not None:
             log.info(f"resuming from {shown(resume_from)} (step {start_step})")
-        layout = f" (dp={dims.dp} cp={dims.cp} tp={dims.tp}, comm={dims.comm})" if mesh is not None else ""
+        replicas = f" in {dims.dp_replicate} replicas" if dims.dp_replicate > 1 else ""
+        layout = (
+            f" (dp={dims.dp}{replicas} cp={dims.cp} tp={dims.tp}, comm={dims.comm})"
+            if mesh is not None
+            else ""
+        )
         log.info(f"model {args.name}: {args.num_params() / 1e6:.1f}M parameters on {device} x{world}{layout}")
         if isinstance(tokenizer, HFTokenizer) and not marks_document_boundaries(tokenizer):
             log.warning(

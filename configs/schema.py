@@ -26,6 +26,10 @@ class ParallelConfig:
     # block's weights gathered in training.dtype) even when tp = cp = 1 (else DDP there). Always used over
     # dp when tp * cp > 1.
     fsdp: bool = False
+    # HSDP: the dp ranks form this many replicas of the model (outermost ranks: set the node count), each
+    # sharded by FSDP2 over its dp / dp_replicate ranks (and cp), so that weights are gathered within a
+    # node and only gradients cross nodes (all-reduced between replicas). 1: FSDP2 shards over every dp rank.
+    dp_replicate: int = 1
 
 
 @dataclass

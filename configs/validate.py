@@ -191,6 +191,11 @@ def validate_serve_config(cfg: ServeConfig) -> None:
             not cfg.parallel.fsdp,
             "parallel.fsdp=true is for train.py only: serve.py splits a model with parallel.tp",
         ),
+        (
+            cfg.parallel.dp_replicate == 1,
+            f"parallel.dp_replicate={cfg.parallel.dp_replicate} is for train.py only: serve.py splits a "
+            "model with parallel.tp",
+        ),
     ]
     raise_first_failure(checks)
     # The sampling values given here (None: generation_config.json's, checked when it is read).

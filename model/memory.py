@@ -59,14 +59,14 @@ def training_memory(
     sharded: bool,
 ) -> MemoryEstimate:
     """A training rank's peak: fp32 weights, gradients and AdamW's two moments (split over tp, and over
-    every rank when FSDP2 shards them: `sharded`), DDP's gradient buckets when replicated over several
-    ranks, and one micro-batch's activations (`activation_bytes` per element: 2 under bf16 autocast).
+    a replica's ranks when FSDP2 shards them: `sharded`), DDP's gradient buckets when replicated over
+    several ranks, and one micro-batch's activations (`activation_bytes` per element: 2 under bf16 autocast).
     Unsharded, autocast makes a bf16 copy of every matmul weight, which the backward keeps where it saved
     them: every block's without activation checkpointing, with it the recomputed block's and the output
     projection's. FSDP2 holds gathered weights instead (parallel/parallelize.py): the embedding in fp32
     through the step, the output projection in the compute dtype (a tied one: autocast's copy of the
     embedding), and two blocks' weights in the compute dtype, the running one's and the next one's."""
-    params = args.num_params() / (dims.world if sharded else dims.tp)
+    params = args.num_params() / (dims.world // dims.dp_replicate if sharded else dims.tp)
     ddp_buckets = 4 * params if not sharded and dims.world > 1 else 0
     split = dims.tp * dims.cp  # sequence parallelism splits every activation over tp * cp
     tokens = batch_size * seq_len

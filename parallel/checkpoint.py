@@ -34,15 +34,15 @@ def _state(model: nn.Module) -> ParallelState | None:
 
 
 def _unshard(t: torch.Tensor) -> torch.Tensor:
-    """An FSDP DTensor at its full shape. FSDP2's layout (Shard(0) over a 1-D mesh, torch.chunk sizes,
-    so only the last shards can be short) is gathered with the plain collectives: DTensor.full_tensor()
-    runs functional collectives, which crash on gloo with CUDA tensors (torch 2.11), the backend of
-    ranks sharing a GPU."""
-    from torch.distributed.tensor import Shard
+    """An FSDP DTensor at its full shape. FSDP2's layout (Shard(0) over a 1-D mesh, or over the second
+    dim of HSDP's after Replicate; torch.chunk sizes, so only the last shards can be short) is gathered
+    with the plain collectives: DTensor.full_tensor() runs functional collectives, which crash on gloo
+    with CUDA tensors (torch 2.11), the backend of ranks sharing a GPU."""
+    from torch.distributed.tensor import Replicate, Shard
 
-    if t.device_mesh.ndim != 1 or tuple(t.placements) != (Shard(0),):
+    if tuple(t.placements) not in ((Shard(0),), (Replicate(), Shard(0))):
         return t.full_tensor()
-    group = t.device_mesh.get_group()
+    group = t.device_mesh.get_group(t.device_mesh.ndim - 1)
     local = t.to_local()
     rows = -(-t.shape[0] // dist.get_world_size(group))
     padded = local.new_zeros((rows, *local.shape[1:]))

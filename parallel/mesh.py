@@ -2,7 +2,8 @@
 
 Ranks are laid out with tp innermost: the tp ranks of a group are consecutive global ranks (hence on
 one node when the node's rank count is a multiple of tp), cp next, dp outermost (it may cross nodes).
-dp is whatever the world leaves: world = dp * cp * tp.
+dp is whatever the world leaves: world = dp * cp * tp. With dp_replicate > 1 (HSDP) dp splits into
+dp_replicate replicas (outermost: across nodes) of dp / dp_replicate ranks that FSDP2 shards over.
 """
 
 from __future__ import annotations
@@ -29,10 +30,16 @@ class ParallelDims:
     cp: int
     tp: int
     comm: str = "torch"
+    # Data-parallel replicas of the FSDP2-sharded model (HSDP); each shards over dp / dp_replicate ranks.
+    dp_replicate: int = 1
 
     @property
     def world(self) -> int:
         return self.dp * self.cp * self.tp
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
 
     @property
     def model_parallel(self) -> bool:
@@ -41,18 +48,28 @@ class ParallelDims:
 
 
 def parallel_dims(parallel: ParallelConfig, world: int) -> ParallelDims:
-    """dp, cp, tp from the `parallel` config (tp, cp, comm) and the world size; one-line errors."""
+    """dp, cp, tp from the `parallel` config (tp, cp, comm, dp_replicate) and the world size; one-line
+    errors."""
     tp, cp, comm = int(parallel.tp), int(parallel.cp), str(parallel.comm)
-    if tp < 1 or cp < 1:
-        raise ValueError(f"parallel.tp={tp} and parallel.cp={cp} must be >= 1")
+    replicas = int(parallel.dp_replicate)
+    if tp < 1 or cp < 1 or replicas < 1:
+        raise ValueError(
+            f"parallel.tp={tp}, parallel.cp={cp} and parallel.dp_replicate={replicas} must be >= 1"
+        )
     if world % (tp * cp) != 0:
         raise ValueError(
             f"world size {world} is not a multiple of parallel.tp * parallel.cp = {tp}*{cp}: "
             "change --nproc_per_node or the parallel degrees"
         )
+    dp = world // (tp * cp)
+    if dp % replicas != 0:
+        raise ValueError(
+            f"parallel.dp_replicate={replicas} does not divide the {dp} data-parallel ranks (world {world} / "
+            f"(tp * cp = {tp}*{cp})): set it to the number of nodes, or a divisor of {dp}"
+        )
     if comm not in COMM_PATHS:
         raise ValueError(f"parallel.comm={comm!r} is not one of {', '.join(COMM_PATHS)}")
-    return ParallelDims(dp=world // (tp * cp), cp=cp, tp=tp, comm=comm)
+    return ParallelDims(dp=dp, cp=cp, tp=tp, comm=comm, dp_replicate=replicas)
 
 
 def validate_model(dims: ParallelDims, args: ModelArgs, seq_len: int | None = None) -> None:
@@ -158,17 +175,32 @@ def validate_comm_ops(dims: ParallelDims, training: bool) -> None:
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """The global DeviceMesh of shape (dp, cp, tp), dims named "dp", "cp", "tp"."""
+    """The global DeviceMesh of shape (dp, cp, tp), dims named "dp", "cp", "tp". Under HSDP its dims are
+    "dp_replicate", "dp_shard", "cp", "tp", with "dp" the two first flattened (mesh["dp"] as without)."""
     if not dist.is_initialized():
         raise RuntimeError("build_mesh needs an initialised process group (torchrun)")
     if dist.get_world_size() != dims.world:
         raise ValueError(f"world size {dist.get_world_size()} != dp*cp*tp = {dims.dp}*{dims.cp}*{dims.tp}")
-    return init_device_mesh(device_type, (dims.dp, dims.cp, dims.tp), mesh_dim_names=("dp", "cp", "tp"))
+    if dims.dp_replicate == 1:
+        return init_device_mesh(device_type, (dims.dp, dims.cp, dims.tp), mesh_dim_names=("dp", "cp", "tp"))
+    mesh = init_device_mesh(
+        device_type,
+        (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
+        mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
+    )
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    return mesh
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The ranks holding different data for the same model shard: dp, and cp too (Ulysses ranks see
-    different tokens, so their gradients are averaged like data parallel ones)."""
+    """FSDP2's mesh: the ranks holding different data for the same model shard, dp, and cp too
+    (Ulysses ranks see different tokens, so their gradients are averaged like data parallel ones). Under
+    HSDP a 2-D mesh: the replicas, then the ranks sharding one replica (dp_shard, and cp)."""
+    if "dp_replicate" not in (mesh.mesh_dim_names or ()):
+        if mesh["cp"].size() == 1:
+            return mesh["dp"]
+        return mesh["dp", "cp"]._flatten("dp_cp")
     if mesh["cp"].size() == 1:
-        return mesh["dp"]
-    return mesh["dp", "cp"]._flatten("dp_cp")
+        return mesh["dp_replicate", "dp_shard"]
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return mesh["dp_replicate", "dp_shard_cp"]

@@ -68,7 +68,8 @@ class ParallelState:
     tp_ctx: TPContext | None
     # State-dict name -> the dimension its tensor-parallel shard splits (absent: replicated over tp).
     tp_shard_dims: dict[str, int] = field(default_factory=dict)
-    # Group over which gradients of the same shard are averaged (FSDP's), None for a single rank.
+    # Group over which FSDP2 splits the parameters (dp, and cp; under HSDP one replica's ranks), None
+    # for a single rank.
     dp_group: dist.ProcessGroup | None = None
     fsdp: bool = False
 
@@ -214,11 +215,12 @@ def parallelize_llama(model: Llama, mesh: DeviceMesh, cfg: ParallelizeConfig | N
         if model.output.weight is not model.tok_embeddings.weight:
             fully_shard(model.output, mesh=dp_mesh, mp_policy=low, reshard_after_forward=False)
         fully_shard(model, mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+    shard_dim = dp_mesh.ndim - 1  # HSDP: its second dim
     model.parallel = ParallelState(
         mesh=mesh,
         tp_ctx=tp_ctx,
         tp_shard_dims=shard_dims,
-        dp_group=dp_mesh.get_group() if dp_mesh.size() > 1 else None,
+        dp_group=dp_mesh.get_group(shard_dim) if dp_mesh.size(shard_dim) > 1 else None,
         fsdp=use_fsdp,
     )
     return model
@@ -265,7 +267,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip the global gradient norm of a parallelized model (tp shards counted once each, tp-replicated
-    parameters once, FSDP shards summed over dp) and return the norm before clipping."""
+    parameters once, FSDP shards summed over one replica's ranks) and return the norm before clipping."""
     state: ParallelState | None = getattr(model, "parallel", None)
     params = [p for p in model.parameters() if p.grad is not None]
     if state is None:

@@ -46,6 +46,10 @@ def test_training_estimate_matches_what_autograd_saves() -> None:
     # tp splits the weights; FSDP2 over every rank splits them further; DDP replicas keep gradient buckets.
     tp = memory.training_memory(TINY, ParallelDims(2, 1, 2), batch, seq, 4, False, sharded=True)
     assert tp.parts["weights"] == estimate.parts["weights"] / 4
+    # HSDP: each of two replicas shards over its half of the ranks.
+    replicas = ParallelDims(4, 1, 2, dp_replicate=2)
+    hsdp = memory.training_memory(TINY, replicas, batch, seq, 4, False, sharded=True)
+    assert hsdp.parts["weights"] == tp.parts["weights"]
     ddp = memory.training_memory(TINY, ParallelDims(2, 1, 1), batch, seq, 4, False, sharded=False)
     assert ddp.parts["gradients"] == 2 * estimate.parts["gradients"]
     recompute = memory.training_memory(TINY, ParallelDims(1, 1, 1), batch, seq, 4, True, sharded=False)

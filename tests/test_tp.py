@@ -73,6 +73,7 @@ class Case:
     sequence_parallel: bool = True
     save_gathered: bool = True
     activation_checkpointing: bool = False
+    dp_replicate: int = 1
 
 
 def _check_training(case: Case, rank: int, world: int) -> None:
@@ -87,7 +88,7 @@ def _check_training(case: Case, rank: int, world: int) -> None:
     ref_loss = F.cross_entropy(ref_logits.flatten(0, 1), targets.flatten())
     ref_loss.backward()
 
-    dims = ParallelDims(dp=case.dp, cp=case.cp, tp=case.tp)
+    dims = ParallelDims(dp=case.dp, cp=case.cp, tp=case.tp, dp_replicate=case.dp_replicate)
     validate_model(dims, args, seq_len=seq)
     mesh = build_mesh(dims, "cpu")
     cfg = ParallelizeConfig(
@@ -111,8 +112,7 @@ def _check_training(case: Case, rank: int, world: int) -> None:
         logits = torch.cat(gathered, dim=-1)
     torch.testing.assert_close(logits, ref_logits[rows, cols], **TOL)
     mean_loss = loss.detach().clone()
-    if state.dp_group is not None:
-        dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG, group=state.dp_group)
+    dist.all_reduce(mean_loss, op=dist.ReduceOp.AVG)  # the tp ranks of a batch hold the same loss
     torch.testing.assert_close(mean_loss, ref_loss.detach(), **TOL)
 
     ref_params = dict(reference.named_parameters())
@@ -260,6 +260,10 @@ WORLD4 = [
     Case(tp=4),
     Case(tp=2, dp=2),
     Case(tp=2, cp=2, tie=True),
+    # HSDP: two replicas, each sharded over 2 dp ranks, over 2 cp ranks, or not at all (tp=2).
+    Case(tp=1, dp=4, dp_replicate=2),
+    Case(tp=1, dp=2, cp=2, dp_replicate=2, tie=True),
+    Case(tp=2, dp=2, dp_replicate=2),
 ]
 
 
@@ -301,8 +305,14 @@ def _load_at_tp4(rank: int, world: int, out: str, expected: torch.Tensor) -> Non
     from safetensors.torch import load_file
 
     args = small_args()
-    # tp=4, and FSDP2 x TP (dp=2, tp=2; both dp ranks on the same batch, so the same update).
-    for dims in (ParallelDims(dp=1, cp=1, tp=4), ParallelDims(dp=2, cp=1, tp=2)):
+    # tp=4, FSDP2 x TP (dp=2, tp=2; both dp ranks on the same batch, so the same update) and TP x two
+    # replicas (HSDP).
+    layouts = (
+        ParallelDims(dp=1, cp=1, tp=4),
+        ParallelDims(dp=2, cp=1, tp=2),
+        ParallelDims(dp=2, cp=1, tp=2, dp_replicate=2),
+    )
+    for dims in layouts:
         model = full_model(args, seed=9)  # different weights: the load must replace all of them
         parallelize_llama(model, build_mesh(dims, "cpu"))
         load_full_model_state(model, load_file(str(Path(out) / "model.safetensors")))
@@ -347,8 +357,8 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1_tp4_and_fsdp_tp2(tmp_path: Path) -
 
 
 class _P:
-    def __init__(self, tp=1, cp=1, comm="torch"):
-        self.tp, self.cp, self.comm = tp, cp, comm
+    def __init__(self, tp=1, cp=1, comm="torch", dp_replicate=1):
+        self.tp, self.cp, self.comm, self.dp_replicate = tp, cp, comm, dp_replicate
 
 
 def test_bad_layouts_fail_with_one_line_errors() -> None:
@@ -359,6 +369,11 @@ def test_bad_layouts_fail_with_one_line_errors() -> None:
     with pytest.raises(ValueError, match=r"parallel\.comm='nccl' is not one of"):
         parallel_dims(_P(comm="nccl"), 2)
     assert parallel_dims(_P(tp=2, cp=2), 8) == ParallelDims(dp=2, cp=2, tp=2)
+    with pytest.raises(ValueError, match=r"parallel\.dp_replicate=3 does not divide the 4 data-parallel"):
+        parallel_dims(_P(tp=2, dp_replicate=3), 8)
+    with pytest.raises(ValueError, match=r"parallel\.dp_replicate=0 must be >= 1"):
+        parallel_dims(_P(dp_replicate=0), 8)
+    assert parallel_dims(_P(tp=2, dp_replicate=2), 8) == ParallelDims(dp=4, cp=1, tp=2, dp_replicate=2)
     args = small_args()
     with pytest.raises(ValueError, match=r"model\.n_heads=8 is not divisible by parallel\.tp=3"):
         validate_model(ParallelDims(1, 1, 3), args)

@@ -2,7 +2,7 @@
 every comm path (torch, symm_mem, triton) logits, loss and every gradient of the TP + SP model (bf16
 autocast) match the single-GPU model at bf16 tolerance, and TP decode (fp32, CUDA graphs) gives the
 tp=1 tokens (eager, CUDA graph, compiled + graph; eager only on gloo); FSDP2 x TP (dp=2, tp=2, weights
-gathered in bf16, activation checkpointing) trains.
+gathered in bf16, activation checkpointing) trains, and so does TP x two replicas (HSDP).
 
     pytest -q tests/test_tp_gpu.py          # on a host with 4 GPUs
     python -m parallel.shared_gpu --ranks 4 -- python -m pytest -q tests/test_tp_gpu.py   # on one GPU
@@ -81,10 +81,10 @@ def _decode(comm: str, device: torch.device) -> None:
         assert torch.equal(got, expected), (comm, graph, compile, got, expected)
 
 
-def _fsdp_tp_trains(device: torch.device) -> None:
+def _fsdp_tp_trains(device: torch.device, dims: ParallelDims) -> None:
     args = small_args()
     model = full_model(args).to(device)
-    mesh = build_mesh(ParallelDims(dp=2, cp=1, tp=2), "cuda")
+    mesh = build_mesh(dims, "cuda")
     plan = ParallelizeConfig(fsdp=True, activation_checkpointing=True, fsdp_param_dtype=torch.bfloat16)
     parallelize_llama(model, mesh, plan)
     assert model.parallel.fsdp
@@ -109,7 +109,8 @@ def _worker(rank: int, world: int) -> None:
     for comm in ("torch", "triton") if shared_gpu() else ("torch", "symm_mem", "triton"):
         _parity(comm, device)
         _decode(comm, device)
-    _fsdp_tp_trains(device)
+    _fsdp_tp_trains(device, ParallelDims(dp=2, cp=1, tp=2))
+    _fsdp_tp_trains(device, ParallelDims(dp=2, cp=1, tp=2, dp_replicate=2))  # HSDP: two replicas
 
 
 @pytest.mark.multigpu(n=WORLD)

@@ -127,6 +127,10 @@ def test_every_training_key_is_documented_in_the_schema() -> None:
             "parallel.fsdp=true",
             "parallel.fsdp=true is for train.py only: serve.py splits a model with parallel.tp",
         ),
+        (
+            "parallel.dp_replicate=2",
+            "parallel.dp_replicate=2 is for train.py only: serve.py splits a model with parallel.tp",
+        ),
         ("+serve.foo=1", "unknown key serve: the top-level keys are model, parallel, mode,"),
     ],
 )
