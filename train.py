@@ -293,7 +293,7 @@ def export_run(
 ) -> None:
     """checkpoint.export_hf: the trained weights as a directory transformers loads, in run_dir / "hf"
     (a sharded model is gathered by every rank first; rank 0 writes)."""
-    weights = full_model_state(model) if sharded else model
+    weights = full_model_state(model, keep=distributed.rank() == 0) if sharded else model
     if distributed.rank() == 0:
         out = export_hf(weights, args, run_dir / "hf", tokenizer=tokenizer, overwrite=True)
         log.info(f"exported a Hugging Face model to {out}")

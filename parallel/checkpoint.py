@@ -1,7 +1,8 @@
 """Checkpoints of a parallelized model in weft's one layout-free format.
 
-Saving gathers every tensor to its full (tp = 1, unsharded) shape: FSDP shards with
-an all-gather over dp, tensor-parallel shards with an all-gather over tp along the dimension the plan
+Saving gathers every tensor to its full (tp = 1, unsharded) shape, one at a time, each moved to the
+writer's host memory before the next (a GPU holds one full tensor at most): FSDP shards with an
+all-gather over dp, tensor-parallel shards with an all-gather over tp along the dimension the plan
 recorded. A checkpoint written at tp = 2 is therefore byte-for-byte the kind written at tp = 1 and
 loads at any tp; so do Hugging Face directories. Loading reads the full tensors on every rank and
 keeps each rank's slice: `materialize` (a model's first weights: serving, train.py's init_from) one
@@ -87,15 +88,26 @@ def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
         target.copy_(full)
 
 
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict with every tensor at its full shape (a tied output weight left out, as
-    model/checkpoint.py stores it)."""
+def _gathered_to_cpu(full: torch.Tensor) -> torch.Tensor:
+    return full.to("cpu").contiguous()
+
+
+def full_model_state(model: nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
+    """The model's state dict with every tensor at its full shape, on the CPU (a tied output weight left
+    out, as model/checkpoint.py stores it). Each tensor is gathered and moved off the GPU before the
+    next, so a GPU never holds more than one full tensor; `keep=False` (every rank but the writer)
+    takes part in the gathers and keeps nothing."""
     state = _state(model)
-    out = {name: _full(t, name, state) for name, t in model.state_dict().items()}
     args = getattr(model, "args", None)
-    if args is not None and args.tie_embeddings:
-        out.pop("output.weight", None)
-    return {k: v.contiguous() for k, v in out.items()}
+    tied = args is not None and args.tie_embeddings
+    out = {}
+    for name, t in model.state_dict().items():
+        if tied and name == "output.weight":
+            continue
+        full = _full(t, name, state)  # a collective: every rank, in the same order
+        if keep:
+            out[name] = _gathered_to_cpu(full)
+    return out
 
 
 @torch.no_grad()
@@ -228,19 +240,24 @@ def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int
     return out
 
 
-def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """optimizer.state_dict() with every per-parameter tensor (AdamW's moments) at full shape."""
+def full_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, keep: bool = True
+) -> dict[str, Any]:
+    """optimizer.state_dict() with every per-parameter tensor (AdamW's moments) at full shape, on the
+    CPU, gathered one at a time as full_model_state's are (`keep=False`: gathered and dropped)."""
     state = _state(model)
     sd = optimizer.state_dict()
     names = _param_names(model, optimizer)
-    out_state = {}
+    out_state: dict[int, dict[str, Any]] = {}
     for index, values in sd["state"].items():
         name = names[index]
-        out_state[index] = {
-            k: _full(v, name, state) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
-            for k, v in values.items()
-        }
-    return {"state": out_state, "param_groups": sd["param_groups"]}
+        kept = out_state.setdefault(index, {}) if keep else {}
+        for k, v in values.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0:
+                full = _full(v, name, state)  # a collective: every rank, in the same order
+                v = _gathered_to_cpu(full) if keep else None
+            kept[k] = v
+    return {"state": out_state, "param_groups": sd["param_groups"]} if keep else {}
 
 
 def load_full_optimizer_state(
@@ -275,7 +292,7 @@ class _FullModelView:
 
     def __init__(self, model: nn.Module) -> None:
         self.args = model.args
-        self._state = full_model_state(model)
+        self._state = full_model_state(model, keep=is_writer())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return self._state
@@ -285,7 +302,7 @@ class _FullOptimizerView:
     """What save_checkpoint reads from an optimizer (`state_dict()`), at full shape."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self._state = full_optimizer_state(model, optimizer)
+        self._state = full_optimizer_state(model, optimizer, keep=is_writer())
 
     def state_dict(self) -> dict[str, Any]:
         return self._state

@@ -293,8 +293,10 @@ def _save_at_tp2(rank: int, world: int, out: str) -> None:
     torch.manual_seed(5)
     tokens = torch.randint(0, args.vocab_size, (2, 8))
     _train_step(model, tokens, torch.roll(tokens, -1, 1))
-    state = full_model_state(model)
-    optim = full_optimizer_state(model, model._test_opt)
+    # Every rank gathers; only the writer keeps the full tensors.
+    state = full_model_state(model, keep=rank == 0)
+    optim = full_optimizer_state(model, model._test_opt, keep=rank == 0)
+    assert (state == {} and optim == {}) == (rank != 0)
     if rank == 0:
         save_file(state, str(Path(out) / "model.safetensors"))
         torch.save(optim, Path(out) / "optim.pt")

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from model.generate import generate
-from parallel.checkpoint import _full
+from parallel.checkpoint import _full, full_model_state, full_optimizer_state
 from parallel.comm import all_gather
 from parallel.distributed import shared_gpu
 from parallel.loss import cross_entropy
@@ -101,6 +101,17 @@ def _fsdp_tp_trains(device: torch.device, dims: ParallelDims) -> None:
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0], losses
+    # A checkpoint's gathers: one full tensor at a time on the GPU, each moved to the host before the
+    # next (all of them at once would take a GPU 3x the model in fp32 at its first save).
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    weights = list(full_model_state(model).values())
+    per_param = full_optimizer_state(model, opt)["state"].values()
+    moments = [v for values in per_param for v in values.values() if v.dim() > 0]  # not AdamW's step
+    tensors = weights + moments
+    assert all(t.device.type == "cpu" for t in tensors)
+    assert torch.cuda.max_memory_allocated() - before < sum(t.nbytes for t in tensors) / 4
 
 
 def _worker(rank: int, world: int) -> None:
