@@ -9,8 +9,9 @@ mid-save never touches the last complete checkpoint.
                                  the run's config (what the training that wrote it was told) and the
                                  kind of tokenizer (a Hugging Face one lives in the run directory)
 
-A resume reads every file before it changes anything, so an unreadable (truncated) checkpoint can be
-skipped for the one before it (`load_newest_intact`).
+A resume opens every file (reading its header, checked against the file's size) before it changes
+anything, so an unreadable (truncated) checkpoint can be skipped for the one before it
+(`load_newest_intact`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import logging
 import os
 import random
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -71,10 +72,11 @@ def tensor_names(file: Path) -> list[str]:
     return names
 
 
-class LazyTensors:
+class LazyTensors(Mapping[str, torch.Tensor]):
     """Named tensors of safetensors files, read one at a time onto the CPU (the files are memory-mapped),
     so that a model larger than host memory loads tensor by tensor. `sources` maps each name to (file,
-    the tensor's name in that file); `transforms` rewrites a named tensor as it is read."""
+    the tensor's name in that file); `transforms` rewrites a named tensor as it is read. As a mapping,
+    `lazy[name]` reads the tensor."""
 
     def __init__(
         self,
@@ -101,6 +103,15 @@ class LazyTensors:
 
     def read_all(self) -> dict[str, torch.Tensor]:
         return {name: self.read(name) for name in self.sources}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.read(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sources)
+
+    def __len__(self) -> int:
+        return len(self.sources)
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
@@ -296,7 +307,7 @@ def copy_state_into(model: torch.nn.Module, state: dict[str, torch.Tensor], sour
             targets[name].copy_(state[name])
 
 
-def _check_model_args(path: Path, saved: dict[str, Any] | None, model: torch.nn.Module) -> None:
+def check_model_args(path: Path, saved: dict[str, Any] | None, model: torch.nn.Module) -> None:
     if saved is None or not hasattr(model, "args"):
         return
     current = dataclasses.asdict(model.args)
@@ -308,28 +319,35 @@ def _check_model_args(path: Path, saved: dict[str, Any] | None, model: torch.nn.
         )
 
 
-def _load_optimizer(
-    path: Path, optimizer: torch.optim.Optimizer, meta: dict[str, Any], train: dict[str, torch.Tensor]
+def load_optimizer_state(
+    path: Path,
+    optimizer: torch.optim.Optimizer,
+    meta: dict[str, Any],
+    train: LazyTensors,
+    full_shapes: list[tuple[int, ...]] | None = None,
+    place: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
+    """Restore `optimizer` from a checkpoint's train_state tensors, after checking (from the file's
+    header) that they are state for its parameters: their shapes, or `full_shapes` where the parameters
+    are shards of them. Each tensor is read in turn and put in place by `place(parameter index, tensor)`
+    (a sharded model keeps its slice), so that no more than one full tensor is read at a time."""
     if "optimizer" not in meta:
         raise ValueError(f"checkpoint {path} holds no optimizer state: it cannot resume training")
     saved = meta["optimizer"]
-    state: dict[int, dict[str, Any]] = {}
-    for key, tensor in train.items():
+    keys: dict[int, dict[str, str]] = {}
+    for key in train:
         if key.startswith("optim."):
             _, index, name = key.split(".", 2)
-            state.setdefault(int(index), {})[name] = tensor
-    for key, value in saved["scalars"].items():
-        index, name = key.split(".", 1)
-        state.setdefault(int(index), {})[name] = value
+            keys.setdefault(int(index), {})[name] = key
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    shapes = full_shapes or [tuple(p.shape) for p in params]
     saved_count = sum(len(group["params"]) for group in saved["param_groups"])
     wrong = [
-        f"optim.{index}.{name} {tuple(value.shape)} vs {tuple(params[index].shape)}"
-        for index, values in sorted(state.items())
-        if index < len(params)
-        for name, value in values.items()
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != params[index].shape
+        f"optim.{index}.{name} {train.shapes[key]} vs {shapes[index]}"
+        for index, names in sorted(keys.items())
+        if index < len(shapes)
+        for name, key in names.items()
+        if len(train.shapes[key]) > 0 and train.shapes[key] != shapes[index]
     ]
     detail = None
     if wrong:
@@ -344,7 +362,37 @@ def _load_optimizer(
             f"checkpoint {path} holds optimizer state for other parameters ({detail}): "
             "resume with the optimizer settings it was saved with"
         )
+    state: dict[int, dict[str, Any]] = {}
+    for index, names in keys.items():
+        for name, key in names.items():
+            tensor = train.read(key)
+            if place is not None and tensor.dim() > 0:
+                tensor = place(index, tensor)
+            state.setdefault(index, {})[name] = tensor
+    for key, value in saved["scalars"].items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
     optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+def open_checkpoint(path: Path) -> tuple[dict[str, Any], LazyTensors, LazyTensors]:
+    """A checkpoint's meta.json and its two tensor files, opened (headers read and checked against the
+    files' sizes, so that a truncated file raises UnreadableCheckpoint before anything is restored)."""
+    if not (path / "meta.json").is_file():  # as a missing weights file: the checkpoint before it is used
+        raise UnreadableCheckpoint(f"cannot read {path / 'meta.json'}: the file is missing")
+    meta = read_meta(path)
+    weights = LazyTensors.of_file(path / "model.safetensors")
+    train = LazyTensors.of_file(path / "train_state.safetensors")
+    return meta, weights, train
+
+
+def restore_schedule_and_rng(meta: dict[str, Any], train: LazyTensors, scheduler: Any) -> None:
+    if scheduler is not None and meta.get("scheduler") is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    torch.set_rng_state(train.read("rng.torch"))
+    if "rng.cuda" in train and torch.cuda.is_available():
+        torch.cuda.set_rng_state(train.read("rng.cuda"))
+    random.setstate((meta["python_rng"][0], tuple(meta["python_rng"][1]), meta["python_rng"][2]))
 
 
 def load_checkpoint(
@@ -354,23 +402,15 @@ def load_checkpoint(
     scheduler: Any = None,
 ) -> dict[str, Any]:
     """Restore model, optimizer, scheduler and RNG from `path`; returns meta.json's contents. Every
-    file is read before anything is restored (an unreadable one raises UnreadableCheckpoint)."""
+    file is opened and the weights read before anything is restored (an unreadable one raises
+    UnreadableCheckpoint)."""
     path = Path(path)
-    if not (path / "meta.json").is_file():  # as a missing weights file: the checkpoint before it is used
-        raise UnreadableCheckpoint(f"cannot read {path / 'meta.json'}: the file is missing")
-    meta = read_meta(path)
-    weights = load_model_state(path)
-    train = read_tensors(path / "train_state.safetensors")
-    _check_model_args(path, meta.get("model_args"), model)
-    copy_state_into(model, weights, source=str(path))
+    meta, weights, train = open_checkpoint(path)
+    check_model_args(path, meta.get("model_args"), model)
+    copy_state_into(model, weights.read_all(), source=str(path))
     if optimizer is not None:
-        _load_optimizer(path, optimizer, meta, train)
-    if scheduler is not None and meta.get("scheduler") is not None:
-        scheduler.load_state_dict(meta["scheduler"])
-    torch.set_rng_state(train["rng.torch"])
-    if "rng.cuda" in train and torch.cuda.is_available():
-        torch.cuda.set_rng_state(train["rng.cuda"])
-    random.setstate((meta["python_rng"][0], tuple(meta["python_rng"][1]), meta["python_rng"][2]))
+        load_optimizer_state(path, optimizer, meta, train)
+    restore_schedule_and_rng(meta, train, scheduler)
     return meta
 
 

@@ -4,18 +4,17 @@ Saving gathers every tensor to its full (tp = 1, unsharded) shape, one at a time
 writer's host memory before the next (a GPU holds one full tensor at most): FSDP shards with an
 all-gather over dp, tensor-parallel shards with an all-gather over tp along the dimension the plan
 recorded. A checkpoint written at tp = 2 is therefore byte-for-byte the kind written at tp = 1 and
-loads at any tp; so do Hugging Face directories. Loading reads the full tensors on every rank and
-keeps each rank's slice: `materialize` (a model's first weights: serving, train.py's init_from) one
-tensor at a time from the memory-mapped files; resuming training (`load_parallel_checkpoint`) the whole
-state at once, needing host memory for one full copy per rank (a sharded reader, e.g.
-torch.distributed.checkpoint, would replace it for the largest models).
+loads at any tp; so do Hugging Face directories. Loading reads the full tensors on every rank, one at
+a time from the memory-mapped files, and keeps each rank's slice: `materialize` (a model's first
+weights: serving, train.py's init_from) and `load_parallel_checkpoint` (resuming training: weights
+and AdamW's moments).
 
 Every rank must call these functions (they communicate); only rank 0 needs to write the result.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +22,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from model.checkpoint import state_mismatch
+from model.checkpoint import (
+    LazyTensors,
+    check_model_args,
+    load_optimizer_state,
+    open_checkpoint,
+    restore_schedule_and_rng,
+    state_mismatch,
+)
 from parallel.comm import all_gather
 
 if TYPE_CHECKING:  # parallel/parallelize.py imports this module
@@ -112,9 +118,10 @@ def full_model_state(model: nn.Module, keep: bool = True) -> dict[str, torch.Ten
 
 @torch.no_grad()
 def load_full_model_state(
-    model: nn.Module, full: dict[str, torch.Tensor], source: str = "checkpoint"
+    model: nn.Module, full: Mapping[str, torch.Tensor], source: str = "checkpoint"
 ) -> None:
-    """Copy full-shape tensors into a parallelized model, each rank keeping its slice."""
+    """Copy full-shape tensors into a parallelized model, each rank keeping its slice (from a file's
+    LazyTensors, one full tensor read at a time)."""
     state = _state(model)
     targets = model.state_dict()
     args = getattr(model, "args", None)
@@ -126,12 +133,14 @@ def load_full_model_state(
             f"{source} does not fit the model (missing: {', '.join(missing[:4]) or '-'}; "
             f"unexpected: {', '.join(unexpected[:4]) or '-'}): check the model preset"
         )
+    # Every shape is checked before any tensor is read (a file's from its header).
+    shapes = full.shapes if isinstance(full, LazyTensors) else {k: tuple(v.shape) for k, v in full.items()}
     for name in expected:
-        target = targets[name]
-        shape, want = tuple(full[name].shape), _full_shape(target, name, state)
-        if shape != want:
-            raise ValueError(f"{source}: {name} has shape {shape}, the model needs {want}")
-        _copy_into(target, _slice(full[name], name, state))
+        want = _full_shape(targets[name], name, state)
+        if shapes[name] != want:
+            raise ValueError(f"{source}: {name} has shape {shapes[name]}, the model needs {want}")
+    for name in expected:
+        _copy_into(targets[name], _slice(full[name], name, state))
 
 
 def _draw(
@@ -260,29 +269,6 @@ def full_optimizer_state(
     return {"state": out_state, "param_groups": sd["param_groups"]} if keep else {}
 
 
-def load_full_optimizer_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, full: dict[str, Any]
-) -> None:
-    """Load a full-shape optimizer state dict, each rank keeping its slices."""
-    state = _state(model)
-    names = _param_names(model, optimizer)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    local_state = {}
-    for index, values in full["state"].items():
-        index = int(index)
-        name, param = names[index], params[index]
-        local_values = {}
-        for k, v in values.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                target = torch.zeros_like(param)
-                _copy_into(target, _slice(v, name, state))
-                local_values[k] = target
-            else:
-                local_values[k] = v
-        local_state[index] = local_values
-    optimizer.load_state_dict({"state": local_state, "param_groups": full["param_groups"]})
-
-
 def is_writer() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -346,29 +332,24 @@ def load_parallel_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     scheduler: Any = None,
 ) -> dict[str, Any]:
-    """model/checkpoint.load_checkpoint for a parallelized model: the checkpoint is loaded (with all its
-    checks, and the RNG / scheduler restored) into a full-size stand-in on the CPU with the same
-    parameter order and optimizer groups, whose tensors are then sliced into this rank's shards."""
-    from model.checkpoint import load_checkpoint
-    from model.llama import Llama
-
-    with torch.device("meta"):
-        stand_in = Llama(model.args)
-    stand_in.to_empty(device="cpu")
-    stand_in_optim = None
+    """model/checkpoint.load_checkpoint for a parallelized model, with its checks: every file is opened
+    before anything is restored, then each rank reads the full tensors one at a time from the
+    memory-mapped files (whose pages the ranks of a node share) and keeps its slices."""
+    path = Path(path)
+    meta, weights, train = open_checkpoint(path)
+    check_model_args(path, meta.get("model_args"), model)
+    load_full_model_state(model, weights, source=str(path))
     if optimizer is not None:
-        by_name = dict(stand_in.named_parameters())
+        state = _state(model)
         names = _param_names(model, optimizer)
-        groups, index = [], 0
-        for group in optimizer.param_groups:
-            params = []
-            for _ in group["params"]:
-                params.append(by_name[names[index]])
-                index += 1
-            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
-        stand_in_optim = torch.optim.Optimizer(groups, defaults={})
-    meta = load_checkpoint(path, stand_in, stand_in_optim, scheduler)
-    load_full_model_state(model, full_model_state(stand_in), source=str(path))
-    if optimizer is not None:
-        load_full_optimizer_state(model, optimizer, stand_in_optim.state_dict())
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+
+        def shard(index: int, full: torch.Tensor) -> torch.Tensor:
+            target = torch.zeros_like(params[index])
+            _copy_into(target, _slice(full, names[index], state))
+            return target
+
+        shapes = [_full_shape(p, names[i], state) for i, p in enumerate(params)]
+        load_optimizer_state(path, optimizer, meta, train, full_shapes=shapes, place=shard)
+    restore_schedule_and_rng(meta, train, scheduler)
     return meta

@@ -5,7 +5,10 @@ checkpoint saved at tp=2 loading at tp=1 and tp=4."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from model.args import ModelArgs
+from model.checkpoint import LazyTensors, latest_checkpoint, load_checkpoint
 from model.generate import generate
 from model.llama import Llama
 from parallel.checkpoint import (
@@ -22,8 +26,8 @@ from parallel.checkpoint import (
     full_model_state,
     full_optimizer_state,
     init_parallel_weights,
-    load_full_model_state,
-    load_full_optimizer_state,
+    load_parallel_checkpoint,
+    save_parallel_checkpoint,
 )
 from parallel.comm import OPS, CommUnavailable, TorchComm, check_ops, make_comm
 from parallel.loss import cross_entropy
@@ -284,8 +288,6 @@ def _train_step(model, tokens, targets) -> None:
 
 
 def _save_at_tp2(rank: int, world: int, out: str) -> None:
-    from safetensors.torch import save_file
-
     args = small_args()
     model = full_model(args)
     parallelize_llama(model, build_mesh(ParallelDims(dp=1, cp=1, tp=2), "cpu"))
@@ -293,19 +295,40 @@ def _save_at_tp2(rank: int, world: int, out: str) -> None:
     torch.manual_seed(5)
     tokens = torch.randint(0, args.vocab_size, (2, 8))
     _train_step(model, tokens, torch.roll(tokens, -1, 1))
-    # Every rank gathers; only the writer keeps the full tensors.
+    # Every rank gathers; only the writer keeps the full tensors, and writes them.
     state = full_model_state(model, keep=rank == 0)
     optim = full_optimizer_state(model, model._test_opt, keep=rank == 0)
     assert (state == {} and optim == {}) == (rank != 0)
+    written = save_parallel_checkpoint(out, 1, model, model._test_opt, None, None, keep=1)
+    assert (written is None) == (rank != 0)
     if rank == 0:
-        save_file(state, str(Path(out) / "model.safetensors"))
-        torch.save(optim, Path(out) / "optim.pt")
         torch.save(tokens, Path(out) / "tokens.pt")
 
 
-def _load_at_tp4(rank: int, world: int, out: str, expected: torch.Tensor) -> None:
-    from safetensors.torch import load_file
+@contextlib.contextmanager
+def one_full_tensor_at_a_time() -> Iterator[dict[str, int]]:
+    """Fail if a tensor read from a checkpoint file is still alive when the next is read (AdamW's
+    one-element step counts aside); yields the number of reads."""
+    reads, alive = {"count": 0}, []
+    original = LazyTensors.read
 
+    def read(self: LazyTensors, name: str) -> torch.Tensor:
+        alive[:] = [ref for ref in alive if ref() is not None]
+        assert not alive, f"{name} read while an earlier full tensor is still held"
+        tensor = original(self, name)
+        reads["count"] += 1
+        if tensor.numel() > 1:
+            alive.append(weakref.ref(tensor))
+        return tensor
+
+    LazyTensors.read = read
+    try:
+        yield reads
+    finally:
+        LazyTensors.read = original
+
+
+def _load_at_tp4(rank: int, world: int, out: str, expected: torch.Tensor) -> None:
     args = small_args()
     # tp=4, FSDP2 x TP (dp=2, tp=2; both dp ranks on the same batch, so the same update) and TP x two
     # replicas (HSDP).
@@ -317,9 +340,11 @@ def _load_at_tp4(rank: int, world: int, out: str, expected: torch.Tensor) -> Non
     for dims in layouts:
         model = full_model(args, seed=9)  # different weights: the load must replace all of them
         parallelize_llama(model, build_mesh(dims, "cpu"))
-        load_full_model_state(model, load_file(str(Path(out) / "model.safetensors")))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        load_full_optimizer_state(model, opt, torch.load(Path(out) / "optim.pt"))
+        with one_full_tensor_at_a_time() as reads:
+            load_parallel_checkpoint(latest_checkpoint(out), model, opt)
+        # Each weight, AdamW's step and two moments per parameter, the RNG state.
+        assert reads["count"] == len(full_model(args).state_dict()) + 3 * len(opt.state) + 1
         model._test_opt = opt
         tokens = torch.load(Path(out) / "tokens.pt")
         _train_step(model, tokens, torch.roll(tokens, -1, 1))  # a second step: moments must be right
@@ -336,15 +361,12 @@ def _load_at_tp4(rank: int, world: int, out: str, expected: torch.Tensor) -> Non
 
 
 def test_checkpoint_saved_at_tp2_loads_at_tp1_tp4_and_fsdp_tp2(tmp_path: Path) -> None:
-    from safetensors.torch import load_file
-
     run_ranks(_save_at_tp2, 2, str(tmp_path))
     args = small_args()
     # tp=1: the plain model loads the gathered checkpoint directly and continues training.
     model = full_model(args, seed=9)
-    model.load_state_dict(load_file(str(tmp_path / "model.safetensors")))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    opt.load_state_dict(torch.load(tmp_path / "optim.pt"))
+    load_checkpoint(latest_checkpoint(tmp_path), model, opt)
     tokens = torch.load(tmp_path / "tokens.pt")
     loss = F.cross_entropy(model(tokens).flatten(0, 1), torch.roll(tokens, -1, 1).flatten())
     loss.backward()
