@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from model.args import ModelArgs, RopeScaling
 
@@ -48,14 +48,6 @@ class UnreadableCheckpoint(ValueError):
 class CheckpointWriteError(OSError):
     """A checkpoint that could not be written (a full disk, a quota, an I/O error; the message names the
     cause): its partial files are removed, the checkpoints before it are untouched."""
-
-
-def read_tensors(file: Path) -> dict[str, torch.Tensor]:
-    """A safetensors file's tensors, or UnreadableCheckpoint naming the file."""
-    try:
-        return load_file(str(file))
-    except (OSError, SafetensorError) as err:
-        raise UnreadableCheckpoint(f"cannot read {file}: {err} (truncated or corrupt?)") from None
 
 
 def open_safetensors(file: Path) -> Any:
@@ -275,7 +267,8 @@ def read_model_args(path: str | Path) -> ModelArgs:
 
 
 def load_model_state(path: str | Path) -> dict[str, torch.Tensor]:
-    return read_tensors(Path(path) / "model.safetensors")
+    """A checkpoint's weights (every tensor of its model.safetensors), or UnreadableCheckpoint."""
+    return LazyTensors.of_file(Path(path) / "model.safetensors").read_all()
 
 
 def state_mismatch(expected: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]]) -> str | None:
