@@ -19,12 +19,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import random
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+import struct
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -139,9 +141,8 @@ def model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous() for k, v in state.items()}
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Split an optimizer state dict into tensors (for safetensors) and plain values (for JSON)."""
-    state = optimizer.state_dict()
+def optimizer_tensors(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Split an optimizer's state dict into tensors (for safetensors) and plain values (for JSON)."""
     tensors, plain = {}, {}
     for index, values in state["state"].items():
         for name, value in values.items():
@@ -173,29 +174,101 @@ def save_tensors(
     """safetensors' save_file with the file readable as the umask allows, as every other file a run
     writes (safetensors 0.8 creates its files owner-only, which keeps a shared model from its users)."""
     save_file(tensors, str(path), metadata=metadata)
+    _readable_as_umask_allows(path)
+
+
+def _readable_as_umask_allows(path: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o666 & ~umask)
 
 
-def save_checkpoint(
+class TensorSpec(NamedTuple):
+    """A tensor as a safetensors header describes it."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def write_tensors(path: Path, specs: list[TensorSpec], tensors: Iterable[torch.Tensor]) -> None:
+    """A safetensors file written one tensor at a time: the header from `specs`, then each of `tensors`
+    (in the specs' order, as it comes), so that the writer never holds more than one of them (a
+    parallel checkpoint's, gathered as they are written). Readable as the umask allows, as save_tensors'."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for spec in specs:
+        size = math.prod(spec.shape) * spec.dtype.itemsize
+        dtype = SAFETENSORS_DTYPES[spec.dtype]
+        header[spec.name] = {
+            "dtype": dtype,
+            "shape": list(spec.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(raw)) + raw)
+        for spec, tensor in zip(specs, tensors, strict=True):
+            if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+                raise ValueError(f"{spec.name}: {tensor.dtype} {tuple(tensor.shape)}, the header says {spec}")
+            handle.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    _readable_as_umask_allows(path)
+
+
+def checkpoint_meta(
+    step: int,
+    model_args: ModelArgs | None,
+    scheduler: Any,
+    data_state: dict[str, Any] | None,
+    config: dict[str, Any] | None,
+    hf_tokenizer: bool,
+    optimizer_meta: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """meta.json's contents (the Python RNG's state taken now)."""
+    meta: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "model_args": dataclasses.asdict(model_args) if model_args is not None else None,
+        "data": data_state,
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "python_rng": random.getstate(),
+        "config": config,
+        "tokenizer": "huggingface" if hf_tokenizer else "bytes",
+    }
+    if optimizer_meta is not None:
+        meta["optimizer"] = optimizer_meta
+    return meta
+
+
+def write_checkpoint(
     run_dir: str | Path,
     step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    scheduler: Any = None,
-    data_state: dict[str, Any] | None = None,
-    keep: int = 2,
-    config: dict[str, Any] | None = None,
-    hf_tokenizer: bool = False,
+    write_tensor_files: Callable[[Path], None],
+    meta: dict[str, Any],
+    keep: int,
 ) -> Path:
-    """Write the checkpoint of `step` atomically and keep only the newest `keep` of those up to `step`
-    (a later one is one a resume skipped as unreadable, left as it is); `config` (the run's config as
-    plain values) is kept in meta.json, and whether the run trained on a Hugging Face tokenizer (kept in
-    the run directory) rather than bytes, so that a checkpoint moved out of its run is not served with
-    the wrong one. A write that fails (a full disk) raises CheckpointWriteError, its partial files
-    removed. Call it from one process per run directory (rank 0): temporary directories of other saves
-    count as crashed."""
+    """The checkpoint of `step` written atomically: `write_tensor_files(directory)` writes
+    model.safetensors and train_state.safetensors into a temporary directory, meta.json follows, and
+    the directory is renamed into place once everything is on disk; then only the newest `keep` of the
+    checkpoints up to `step` are kept (a later one is one a resume skipped as unreadable, left as it
+    is). A write that fails (a full disk) raises CheckpointWriteError, its partial files removed. One
+    process per run directory writes: temporary directories of other saves count as crashed."""
     root = checkpoint_dir(run_dir)
     final = root / f"{STEP_PREFIX}{step:08d}"
     tmp = root / f"{final.name}.tmp-{os.getpid()}"
@@ -205,22 +278,7 @@ def save_checkpoint(
         for stale in root.glob(f"{STEP_PREFIX}*.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
-        save_tensors(model_state(model), tmp / "model.safetensors")
-        train_tensors = rng_tensors()
-        meta: dict[str, Any] = {
-            "format_version": FORMAT_VERSION,
-            "step": step,
-            "model_args": dataclasses.asdict(model.args) if hasattr(model, "args") else None,
-            "data": data_state,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "python_rng": random.getstate(),
-            "config": config,
-            "tokenizer": "huggingface" if hf_tokenizer else "bytes",
-        }
-        if optimizer is not None:
-            tensors, meta["optimizer"] = optimizer_tensors(optimizer)
-            train_tensors.update(tensors)
-        save_tensors(train_tensors, tmp / "train_state.safetensors")
+        write_tensor_files(tmp)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         for file in tmp.iterdir():
             with open(file, "rb") as handle:
@@ -240,6 +298,35 @@ def save_checkpoint(
     for old in done[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    data_state: dict[str, Any] | None = None,
+    keep: int = 2,
+    config: dict[str, Any] | None = None,
+    hf_tokenizer: bool = False,
+) -> Path:
+    """Write the checkpoint of `step` (write_checkpoint: atomically, pruning to the newest `keep`, a
+    failed write raising CheckpointWriteError); `config` (the run's config as plain values) is kept in
+    meta.json, and whether the run trained on a Hugging Face tokenizer (kept in the run directory)
+    rather than bytes, so that a checkpoint moved out of its run is not served with the wrong one. Call
+    it from one process per run directory (rank 0)."""
+    tensors, optimizer_meta = (
+        optimizer_tensors(optimizer.state_dict()) if optimizer is not None else ({}, None)
+    )
+
+    def write_tensor_files(directory: Path) -> None:
+        save_tensors(model_state(model), directory / "model.safetensors")
+        save_tensors({**rng_tensors(), **tensors}, directory / "train_state.safetensors")
+
+    args = getattr(model, "args", None)
+    meta = checkpoint_meta(step, args, scheduler, data_state, config, hf_tokenizer, optimizer_meta)
+    return write_checkpoint(run_dir, step, write_tensor_files, meta, keep)
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:

@@ -1,12 +1,12 @@
 """Checkpoints of a parallelized model in weft's one layout-free format.
 
-Saving gathers every tensor to its full (tp = 1, unsharded) shape, one at a time, each moved to the
-writer's host memory before the next (a GPU holds one full tensor at most): FSDP shards with an
-all-gather over dp, tensor-parallel shards with an all-gather over tp along the dimension the plan
-recorded. A checkpoint written at tp = 2 is therefore byte-for-byte the kind written at tp = 1 and
-loads at any tp; so do Hugging Face directories. Loading reads the full tensors on every rank, one at
-a time from the memory-mapped files, and keeps each rank's slice: `materialize` (a model's first
-weights: serving, train.py's init_from) and `load_parallel_checkpoint` (resuming training: weights
+Saving gathers every tensor to its full (tp = 1, unsharded) shape, one at a time, each written into rank
+0's file before the next is gathered (neither a GPU nor rank 0's host memory holds more than one full
+tensor): FSDP shards with an all-gather over dp, tensor-parallel shards with an all-gather over tp along
+the dimension the plan recorded. A checkpoint written at tp = 2 therefore holds what one written at tp =
+1 holds, and loads at any tp; so do Hugging Face directories. Loading reads the full tensors on every
+rank, one at a time from the memory-mapped files, and keeps each rank's slice: `materialize` (a model's
+first weights: serving, train.py's init_from) and `load_parallel_checkpoint` (resuming training: weights
 and AdamW's moments).
 
 Every rank must call these functions (they communicate); only rank 0 needs to write the result.
@@ -14,7 +14,7 @@ Every rank must call these functions (they communicate); only rank 0 needs to wr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,11 +24,17 @@ from torch import nn
 
 from model.checkpoint import (
     LazyTensors,
+    TensorSpec,
     check_model_args,
+    checkpoint_meta,
     load_optimizer_state,
     open_checkpoint,
+    optimizer_tensors,
     restore_schedule_and_rng,
+    rng_tensors,
     state_mismatch,
+    write_checkpoint,
+    write_tensors,
 )
 from parallel.comm import all_gather
 
@@ -94,26 +100,53 @@ def _copy_into(target: torch.Tensor, full: torch.Tensor) -> None:
         target.copy_(full)
 
 
-def _gathered_to_cpu(full: torch.Tensor) -> torch.Tensor:
-    return full.to("cpu").contiguous()
+def _model_tensors(model: nn.Module) -> list[tuple[str, str | None, torch.Tensor]]:
+    """What a checkpoint stores of a model, as (key, parameter name, tensor): its state dict without a
+    tied output weight (model/checkpoint.py stores it once)."""
+    args = getattr(model, "args", None)
+    tied = args is not None and args.tie_embeddings
+    return [
+        (name, name, t) for name, t in model.state_dict().items() if not (tied and name == "output.weight")
+    ]
+
+
+def _optimizer_tensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[list[tuple[str, str | None, torch.Tensor]], dict[str, Any]]:
+    """The optimizer's tensors as (key, the parameter name they shard like, or None for a scalar such as
+    AdamW's step, tensor), and the plain values model/checkpoint.py keeps in meta.json."""
+    tensors, meta = optimizer_tensors(optimizer.state_dict())
+    names = _param_names(model, optimizer)
+    items = [(key, names[int(key.split(".")[1])] if t.dim() > 0 else None, t) for key, t in tensors.items()]
+    return items, meta
+
+
+def _specs(
+    items: list[tuple[str, str | None, torch.Tensor]], state: ParallelState | None
+) -> list[TensorSpec]:
+    return [
+        TensorSpec(key, t.dtype, _full_shape(t, name, state) if name else tuple(t.shape))
+        for key, name, t in items
+    ]
+
+
+def _gathered(
+    items: list[tuple[str, str | None, torch.Tensor]], state: ParallelState | None, keep: bool
+) -> Iterator[torch.Tensor | None]:
+    """Each tensor at its full shape in turn (a collective: every rank, in the same order), moved to the
+    CPU before the next is gathered, so a GPU never holds more than one full tensor; None where not
+    `keep` (every rank but the writer takes part in the gathers and keeps nothing)."""
+    for _, name, t in items:
+        full = _full(t, name, state) if name else t.detach()
+        yield full.to("cpu").contiguous() if keep else None
 
 
 def full_model_state(model: nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
     """The model's state dict with every tensor at its full shape, on the CPU (a tied output weight left
-    out, as model/checkpoint.py stores it). Each tensor is gathered and moved off the GPU before the
-    next, so a GPU never holds more than one full tensor; `keep=False` (every rank but the writer)
-    takes part in the gathers and keeps nothing."""
-    state = _state(model)
-    args = getattr(model, "args", None)
-    tied = args is not None and args.tie_embeddings
-    out = {}
-    for name, t in model.state_dict().items():
-        if tied and name == "output.weight":
-            continue
-        full = _full(t, name, state)  # a collective: every rank, in the same order
-        if keep:
-            out[name] = _gathered_to_cpu(full)
-    return out
+    out), gathered one tensor at a time (`keep=False`: gathered and dropped, an empty dict)."""
+    items = _model_tensors(model)
+    gathered = _gathered(items, _state(model), keep)
+    return {key: t for (key, _, _), t in zip(items, gathered, strict=True) if t is not None}
 
 
 @torch.no_grad()
@@ -254,44 +287,20 @@ def full_optimizer_state(
 ) -> dict[str, Any]:
     """optimizer.state_dict() with every per-parameter tensor (AdamW's moments) at full shape, on the
     CPU, gathered one at a time as full_model_state's are (`keep=False`: gathered and dropped)."""
-    state = _state(model)
-    sd = optimizer.state_dict()
-    names = _param_names(model, optimizer)
-    out_state: dict[int, dict[str, Any]] = {}
-    for index, values in sd["state"].items():
-        name = names[index]
-        kept = out_state.setdefault(index, {}) if keep else {}
-        for k, v in values.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0:
-                full = _full(v, name, state)  # a collective: every rank, in the same order
-                v = _gathered_to_cpu(full) if keep else None
-            kept[k] = v
-    return {"state": out_state, "param_groups": sd["param_groups"]} if keep else {}
+    items, meta = _optimizer_tensors(model, optimizer)
+    gathered = _gathered(items, _state(model), keep)
+    state: dict[int, dict[str, Any]] = {}
+    for (key, _, _), t in zip(items, gathered, strict=True):
+        _, index, name = key.split(".", 2)
+        state.setdefault(int(index), {})[name] = t
+    for key, value in meta["scalars"].items():
+        index, name = key.split(".", 1)
+        state.setdefault(int(index), {})[name] = value
+    return {"state": state, "param_groups": meta["param_groups"]} if keep else {}
 
 
 def is_writer() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-class _FullModelView:
-    """What model/checkpoint.save_checkpoint reads from a model (`args`, `state_dict()`), at full shape."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.args = model.args
-        self._state = full_model_state(model, keep=is_writer())
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self._state
-
-
-class _FullOptimizerView:
-    """What save_checkpoint reads from an optimizer (`state_dict()`), at full shape."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self._state = full_optimizer_state(model, optimizer, keep=is_writer())
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._state
 
 
 def save_parallel_checkpoint(
@@ -305,25 +314,33 @@ def save_parallel_checkpoint(
     config: dict[str, Any] | None = None,
     hf_tokenizer: bool = False,
 ) -> Path | None:
-    """model/checkpoint.save_checkpoint for a parallelized model: every rank gathers (collective), rank
-    0 writes the usual layout-free checkpoint. Returns the directory on rank 0, None elsewhere."""
-    from model.checkpoint import save_checkpoint
-
-    model_view = _FullModelView(model)
-    optim_view = _FullOptimizerView(model, optimizer) if optimizer is not None else None
-    if not is_writer():
-        return None
-    return save_checkpoint(
-        run_dir,
-        step,
-        model_view,
-        optim_view,
-        scheduler,
-        data_state,
-        keep=keep,
-        config=config,
-        hf_tokenizer=hf_tokenizer,
+    """model/checkpoint.save_checkpoint for a parallelized model, the same layout-free checkpoint:
+    every rank gathers each tensor in turn (collective) and rank 0 writes it into its file as it comes,
+    so that neither a GPU nor rank 0's host memory holds more than one full tensor. Returns the
+    directory on rank 0, None elsewhere; rank 0's failed write (a full disk) raises CheckpointWriteError
+    once every rank has gathered everything."""
+    state, writer = _state(model), is_writer()
+    optimizer_items, optimizer_meta = (
+        _optimizer_tensors(model, optimizer) if optimizer is not None else ([], None)
     )
+    rng = [(key, None, t) for key, t in rng_tensors().items()]
+    files = {"model.safetensors": _model_tensors(model), "train_state.safetensors": rng + optimizer_items}
+    streams = {file: (_specs(items, state), _gathered(items, state, writer)) for file, items in files.items()}
+
+    def write_tensor_files(directory: Path) -> None:
+        for file, (specs, tensors) in streams.items():
+            write_tensors(directory / file, specs, tensors)
+
+    try:
+        if not writer:
+            return None
+        meta = checkpoint_meta(step, model.args, scheduler, data_state, config, hf_tokenizer, optimizer_meta)
+        return write_checkpoint(run_dir, step, write_tensor_files, meta, keep)
+    finally:
+        # The other ranks gather every tensor; so does rank 0, whatever its write left (a full disk).
+        for _, tensors in streams.values():
+            for _ in tensors:
+                pass
 
 
 def load_parallel_checkpoint(

@@ -275,3 +275,30 @@ def test_tensor_files_are_readable_as_the_umask_allows(tmp_path: Path) -> None:
         os.umask(previous)
     modes = {file.name: file.stat().st_mode & 0o777 for file in path.iterdir()}
     assert modes == {"model.safetensors": 0o644, "train_state.safetensors": 0o644, "meta.json": 0o644}
+
+
+def test_streamed_tensor_file_is_what_safetensors_reads(tmp_path: Path) -> None:
+    """write_tensors (a parallel checkpoint's writer, one tensor at a time) gives a file safetensors
+    reads back exactly, every dtype a checkpoint holds and a 0-dim tensor, with the umask's mode."""
+    tensors = {
+        "w": torch.randn(5, 3),
+        "h": torch.randn(7).to(torch.bfloat16),
+        "step": torch.tensor(3.0),
+        "rng": torch.randint(0, 255, (13,), dtype=torch.uint8),
+        "i": torch.arange(6, dtype=torch.int64).view(2, 3)[:, 1:],  # not contiguous
+        "mask": torch.rand(9) > 0.5,
+        "empty": torch.zeros(0, 4),
+    }
+    specs = [checkpoint.TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
+    previous = os.umask(0o022)
+    try:
+        checkpoint.write_tensors(tmp_path / "t.safetensors", specs, iter(tensors.values()))
+    finally:
+        os.umask(previous)
+    back = load_file(str(tmp_path / "t.safetensors"))
+    assert back.keys() == tensors.keys()
+    for key, t in tensors.items():
+        assert back[key].dtype == t.dtype and torch.equal(back[key], t), key
+    assert (tmp_path / "t.safetensors").stat().st_mode & 0o777 == 0o644
+    with pytest.raises(ValueError, match=r"w: torch.float32 \(3, 5\), the header says"):
+        checkpoint.write_tensors(tmp_path / "u.safetensors", specs[:1], [torch.randn(3, 5)])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from model.args import ModelArgs
-from model.checkpoint import LazyTensors, latest_checkpoint, load_checkpoint
+from model.checkpoint import CheckpointWriteError, LazyTensors, latest_checkpoint, load_checkpoint
 from model.generate import generate
 from model.llama import Llama
 from parallel.checkpoint import (
@@ -375,6 +376,37 @@ def test_checkpoint_saved_at_tp2_loads_at_tp1_tp4_and_fsdp_tp2(tmp_path: Path) -
         expected = model(tokens)
     # The same continuation at tp=4 gives the same logits.
     run_ranks(_load_at_tp4, 4, str(tmp_path), expected)
+
+
+def _save_with_a_full_disk(rank: int, world: int, out: str) -> None:
+    import parallel.checkpoint
+
+    model = full_model(small_args())
+    parallelize_llama(model, build_mesh(ParallelDims(dp=2, cp=1, tp=2), "cpu"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    tokens = torch.randint(0, 64, (2, 8))
+    model._test_opt = opt
+    _train_step(model, tokens, torch.roll(tokens, -1, 1))
+    if rank == 0:  # the disk fills up after the first tensor
+
+        def full_disk(path: Path, specs: list, tensors: Iterator) -> None:
+            next(iter(tensors))
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        parallel.checkpoint.write_tensors = full_disk
+    try:
+        written = save_parallel_checkpoint(out, 1, model, opt, None, None, keep=1)
+        assert rank != 0 and written is None
+    except CheckpointWriteError as err:
+        assert rank == 0 and "No space left on device" in str(err)
+    # Every rank took part in every gather: the next collectives line up.
+    full = full_model_state(model)
+    assert full.keys() == full_model(small_args()).state_dict().keys()
+    assert not list((Path(out) / "checkpoints").glob("*"))  # the partial directory removed
+
+
+def test_a_failed_parallel_save_raises_on_rank_0_and_every_rank_goes_on(tmp_path: Path) -> None:
+    run_ranks(_save_with_a_full_disk, 4, str(tmp_path))
 
 
 # -- bad input: one-line errors before any work --------------------------------------------------------
