@@ -28,7 +28,8 @@ class ParallelConfig:
     fsdp: bool = False
     # HSDP: the dp ranks form this many replicas of the model (outermost ranks: set the node count), each
     # sharded by FSDP2 over its dp / dp_replicate ranks (and cp), so that weights are gathered within a
-    # node and only gradients cross nodes (all-reduced between replicas). 1: FSDP2 shards over every dp rank.
+    # node and only gradients cross nodes (all-reduced between replicas); above 1 it implies FSDP2 (as
+    # parallel.fsdp=true). 1: FSDP2, where used, shards over every dp rank.
     dp_replicate: int = 1
 
 

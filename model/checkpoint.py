@@ -107,6 +107,9 @@ class LazyTensors(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self.sources)
 
+    def __contains__(self, name: object) -> bool:  # without reading the tensor, as Mapping's would
+        return name in self.sources
+
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
@@ -399,18 +402,16 @@ def check_model_args(path: Path, saved: dict[str, Any] | None, model: torch.nn.M
         )
 
 
-def load_optimizer_state(
+def check_optimizer_state(
     path: Path,
     optimizer: torch.optim.Optimizer,
     meta: dict[str, Any],
     train: LazyTensors,
     full_shapes: list[tuple[int, ...]] | None = None,
-    place: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
-) -> None:
-    """Restore `optimizer` from a checkpoint's train_state tensors, after checking (from the file's
-    header) that they are state for its parameters: their shapes, or `full_shapes` where the parameters
-    are shards of them. Each tensor is read in turn and put in place by `place(parameter index, tensor)`
-    (a sharded model keeps its slice), so that no more than one full tensor is read at a time."""
+) -> dict[int, dict[str, str]]:
+    """Check, from the file's header, that a checkpoint's optimizer tensors are state for the
+    optimizer's parameters (their shapes, or `full_shapes` where the parameters are shards of them), or
+    raise a one-line ValueError; returns the tensors' keys by parameter index and state name."""
     if "optimizer" not in meta:
         raise ValueError(f"checkpoint {path} holds no optimizer state: it cannot resume training")
     saved = meta["optimizer"]
@@ -442,6 +443,21 @@ def load_optimizer_state(
             f"checkpoint {path} holds optimizer state for other parameters ({detail}): "
             "resume with the optimizer settings it was saved with"
         )
+    return keys
+
+
+def load_optimizer_state(
+    path: Path,
+    optimizer: torch.optim.Optimizer,
+    meta: dict[str, Any],
+    train: LazyTensors,
+    full_shapes: list[tuple[int, ...]] | None = None,
+    place: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+) -> None:
+    """Restore `optimizer` from a checkpoint's train_state tensors, once check_optimizer_state passes.
+    Each tensor is read in turn and put in place by `place(parameter index, tensor)` (a sharded model
+    keeps its slice), so that no more than one full tensor is read at a time."""
+    keys = check_optimizer_state(path, optimizer, meta, train, full_shapes)
     state: dict[int, dict[str, Any]] = {}
     for index, names in keys.items():
         for name, key in names.items():
@@ -449,10 +465,10 @@ def load_optimizer_state(
             if place is not None and tensor.dim() > 0:
                 tensor = place(index, tensor)
             state.setdefault(index, {})[name] = tensor
-    for key, value in saved["scalars"].items():
+    for key, value in meta["optimizer"]["scalars"].items():
         index, name = key.split(".", 1)
         state.setdefault(int(index), {})[name] = value
-    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+    optimizer.load_state_dict({"state": state, "param_groups": meta["optimizer"]["param_groups"]})
 
 
 def open_checkpoint(path: Path) -> tuple[dict[str, Any], LazyTensors, LazyTensors]:
@@ -487,6 +503,8 @@ def load_checkpoint(
     path = Path(path)
     meta, weights, train = open_checkpoint(path)
     check_model_args(path, meta.get("model_args"), model)
+    if optimizer is not None:  # its one-line error before any weight is replaced
+        check_optimizer_state(path, optimizer, meta, train)
     copy_state_into(model, weights.read_all(), source=str(path))
     if optimizer is not None:
         load_optimizer_state(path, optimizer, meta, train)

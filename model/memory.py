@@ -83,7 +83,7 @@ def training_memory(
         "AdamW state": 8 * params,
         "activations": activations + logits,
     }
-    if sharded:
+    if sharded and dims.dp * dims.cp > 1:  # parallelize_llama's FSDP2 (tp alone keeps autocast's copies)
         table = args.vocab_size * args.dim / dims.tp
         block = (args.layer_matmul_params() + 2 * args.dim) / dims.tp
         output = 0 if args.tie_embeddings and activation_bytes == 4 else activation_bytes * table
@@ -177,7 +177,8 @@ def split_advice(device: torch.device, script: str) -> str:
 def check_training_fits(
     args: ModelArgs, dims: ParallelDims, training: TrainingConfig, sharded: bool, device: torch.device
 ) -> None:
-    """train.py's check: `training` is the config's training group; `sharded`: FSDP2 shards the model."""
+    """train.py's check: `training` is the config's training group; `sharded`: the model is planned by
+    parallelize_llama (tensor / context parallel, or FSDP2 asked for)."""
     activation_bytes = 2 if device.type == "cuda" and training.dtype == "bfloat16" else 4
     estimate = training_memory(
         args,

@@ -26,6 +26,7 @@ from model.checkpoint import (
     LazyTensors,
     TensorSpec,
     check_model_args,
+    check_optimizer_state,
     checkpoint_meta,
     load_optimizer_state,
     open_checkpoint,
@@ -355,18 +356,20 @@ def load_parallel_checkpoint(
     path = Path(path)
     meta, weights, train = open_checkpoint(path)
     check_model_args(path, meta.get("model_args"), model)
-    load_full_model_state(model, weights, source=str(path))
-    if optimizer is not None:
-        state = _state(model)
+    state = _state(model)
+    if optimizer is not None:  # its one-line error before any weight is replaced
         names = _param_names(model, optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        shapes = [_full_shape(p, names[i], state) for i, p in enumerate(params)]
+        check_optimizer_state(path, optimizer, meta, train, full_shapes=shapes)
+    load_full_model_state(model, weights, source=str(path))
+    if optimizer is not None:
 
         def shard(index: int, full: torch.Tensor) -> torch.Tensor:
             target = torch.zeros_like(params[index])
             _copy_into(target, _slice(full, names[index], state))
             return target
 
-        shapes = [_full_shape(p, names[i], state) for i, p in enumerate(params)]
         load_optimizer_state(path, optimizer, meta, train, full_shapes=shapes, place=shard)
     restore_schedule_and_rng(meta, train, scheduler)
     return meta

@@ -73,6 +73,9 @@ def test_bf16_autocast_estimate_matches_what_autograd_saves() -> None:
     table = TINY.vocab_size * TINY.dim
     block = TINY.layer_matmul_params() + 2 * TINY.dim
     assert fsdp.parts["gathered weights"] == (4 * table + 2 * table + 2 * 2 * block) / 2
+    # tp alone (no FSDP2: one dp rank) keeps autocast's copies, split over tp.
+    tp_only = memory.training_memory(TINY, ParallelDims(1, 1, 2), batch, seq, 2, False, sharded=True)
+    assert tp_only.parts["autocast weight copies"] == estimate.parts["autocast weight copies"] / 2
     deeper = ModelArgs(**{**TINY.__dict__, "n_layers": 4 * TINY.n_layers})
     deep = memory.training_memory(deeper, ParallelDims(4, 1, 2), batch, seq, 2, False, sharded=True)
     assert deep.parts["gathered weights"] == fsdp.parts["gathered weights"]

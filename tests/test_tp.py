@@ -341,6 +341,12 @@ def _load_at_tp4(rank: int, world: int, out: str, expected: torch.Tensor) -> Non
     for dims in layouts:
         model = full_model(args, seed=9)  # different weights: the load must replace all of them
         parallelize_llama(model, build_mesh(dims, "cpu"))
+        if dims.tp == 4:  # an optimizer of other parameters is refused before any weight is replaced
+            before = full_model_state(model)
+            others = torch.optim.AdamW(list(model.parameters())[::-1], lr=1e-2)
+            with pytest.raises(ValueError, match="holds optimizer state for other parameters"):
+                load_parallel_checkpoint(latest_checkpoint(out), model, others)
+            assert all(torch.equal(t, before[k]) for k, t in full_model_state(model).items())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         with one_full_tensor_at_a_time() as reads:
             load_parallel_checkpoint(latest_checkpoint(out), model, opt)
