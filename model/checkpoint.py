@@ -447,17 +447,15 @@ def check_optimizer_state(
 
 
 def load_optimizer_state(
-    path: Path,
     optimizer: torch.optim.Optimizer,
     meta: dict[str, Any],
     train: LazyTensors,
-    full_shapes: list[tuple[int, ...]] | None = None,
+    keys: dict[int, dict[str, str]],
     place: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
-    """Restore `optimizer` from a checkpoint's train_state tensors, once check_optimizer_state passes.
+    """Restore `optimizer` from a checkpoint's train_state tensors `keys` (check_optimizer_state's).
     Each tensor is read in turn and put in place by `place(parameter index, tensor)` (a sharded model
     keeps its slice), so that no more than one full tensor is read at a time."""
-    keys = check_optimizer_state(path, optimizer, meta, train, full_shapes)
     state: dict[int, dict[str, Any]] = {}
     for index, names in keys.items():
         for name, key in names.items():
@@ -504,10 +502,10 @@ def load_checkpoint(
     meta, weights, train = open_checkpoint(path)
     check_model_args(path, meta.get("model_args"), model)
     if optimizer is not None:  # its one-line error before any weight is replaced
-        check_optimizer_state(path, optimizer, meta, train)
+        keys = check_optimizer_state(path, optimizer, meta, train)
     copy_state_into(model, weights.read_all(), source=str(path))
     if optimizer is not None:
-        load_optimizer_state(path, optimizer, meta, train)
+        load_optimizer_state(optimizer, meta, train, keys)
     restore_schedule_and_rng(meta, train, scheduler)
     return meta
 

@@ -361,7 +361,7 @@ def load_parallel_checkpoint(
         names = _param_names(model, optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         shapes = [_full_shape(p, names[i], state) for i, p in enumerate(params)]
-        check_optimizer_state(path, optimizer, meta, train, full_shapes=shapes)
+        keys = check_optimizer_state(path, optimizer, meta, train, full_shapes=shapes)
     load_full_model_state(model, weights, source=str(path))
     if optimizer is not None:
 
@@ -370,6 +370,6 @@ def load_parallel_checkpoint(
             _copy_into(target, _slice(full, names[index], state))
             return target
 
-        load_optimizer_state(path, optimizer, meta, train, full_shapes=shapes, place=shard)
+        load_optimizer_state(optimizer, meta, train, keys, place=shard)
     restore_schedule_and_rng(meta, train, scheduler)
     return meta
