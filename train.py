@@ -44,7 +44,7 @@ from model.memory import check_training_fits
 from model.tokenizer import HFTokenizer, Tokenizer, save_tokenizer
 from parallel import distributed
 from parallel.checkpoint import (
-    full_model_state,
+    export_parallel_hf,
     load_parallel_checkpoint,
     materialize,
     save_parallel_checkpoint,
@@ -267,11 +267,17 @@ def save_run_checkpoint(
             save_checkpoint(*state, keep=cfg.checkpoint.keep, config=config, hf_tokenizer=hf_tokenizer)
     except CheckpointWriteError as err:
         error = err
-    if dist.is_initialized():  # also the barrier that waits for rank 0's write
+    return rank_0_write_error(error, "save the checkpoint")
+
+
+def rank_0_write_error(error: CheckpointWriteError | None, what: str) -> CheckpointWriteError | None:
+    """Rank 0's write error (collective, also the barrier that waits for rank 0's write): its own on rank
+    0; on the other ranks, that there was one (rank 0 could not `what`)."""
+    if dist.is_initialized():
         failed = torch.tensor([error is not None], dtype=torch.int32)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item() and error is None:
-            error = CheckpointWriteError("rank 0 could not save the checkpoint")
+            error = CheckpointWriteError(f"rank 0 could not {what}")
     return error
 
 
@@ -292,10 +298,26 @@ def export_run(
     model: torch.nn.Module, args: ModelArgs, run_dir: Path, tokenizer: Tokenizer, sharded: bool
 ) -> None:
     """checkpoint.export_hf: the trained weights as a directory transformers loads, in run_dir / "hf"
-    (a sharded model is gathered by every rank first; rank 0 writes)."""
-    weights = full_model_state(model, keep=distributed.rank() == 0) if sharded else model
+    (collective: a sharded model is gathered by every rank one tensor at a time, rank 0 writing each as
+    it comes). A failed write (a full disk) stops every rank; rank 0 says why and how to export again."""
+    out = run_dir / "hf"
+    error = None
+    try:
+        if sharded:
+            export_parallel_hf(model, out, tokenizer=tokenizer, overwrite=True)
+        elif distributed.rank() == 0:
+            export_hf(model, args, out, tokenizer=tokenizer, overwrite=True)
+    except CheckpointWriteError as err:
+        error = err
+    error = rank_0_write_error(error, "export the model")
+    if error is not None:
+        # The run is at training.steps: relaunched, it trains nothing and exports.
+        why = (
+            f"{error}: the run's checkpoints are kept in {shown(run_dir / 'checkpoints')}. Free space "
+            f"and export them with: {launch_resume_command(run_dir)}"
+        )
+        raise SystemExit(why if distributed.rank() == 0 else 1)
     if distributed.rank() == 0:
-        out = export_hf(weights, args, run_dir / "hf", tokenizer=tokenizer, overwrite=True)
         log.info(f"exported a Hugging Face model to {out}")
 
 

@@ -48,8 +48,8 @@ class UnreadableCheckpoint(ValueError):
 
 
 class CheckpointWriteError(OSError):
-    """A checkpoint that could not be written (a full disk, a quota, an I/O error; the message names the
-    cause): its partial files are removed, the checkpoints before it are untouched."""
+    """A checkpoint (or Hugging Face export) that could not be written (a full disk, a quota, an I/O
+    error; the message names the cause): its partial files are removed, those before it are untouched."""
 
 
 def open_safetensors(file: Path) -> Any:
@@ -193,6 +193,10 @@ class TensorSpec(NamedTuple):
     dtype: torch.dtype
     shape: tuple[int, ...]
 
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -208,29 +212,41 @@ SAFETENSORS_DTYPES = {
 }
 
 
-def write_tensors(path: Path, specs: list[TensorSpec], tensors: Iterable[torch.Tensor]) -> None:
-    """A safetensors file written one tensor at a time: the header from `specs`, then each of `tensors`
-    (in the specs' order, as it comes), so that the writer never holds more than one of them (a
-    parallel checkpoint's, gathered as they are written). Readable as the umask allows, as save_tensors'."""
-    header: dict[str, Any] = {}
+def write_tensors(
+    path: Path,
+    specs: list[TensorSpec],
+    tensors: Iterable[torch.Tensor],
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """A safetensors file written one tensor at a time: the header from `specs` (and `metadata`), then
+    each of `tensors` (in the specs' order, as it comes), so that the writer never holds more than one of
+    them (a parallel checkpoint's, gathered as they are written). Readable as the umask allows, as
+    save_tensors'."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for spec in specs:
-        size = math.prod(spec.shape) * spec.dtype.itemsize
-        dtype = SAFETENSORS_DTYPES[spec.dtype]
         header[spec.name] = {
-            "dtype": dtype,
+            "dtype": SAFETENSORS_DTYPES[spec.dtype],
             "shape": list(spec.shape),
-            "data_offsets": [offset, offset + size],
+            "data_offsets": [offset, offset + spec.nbytes],
         }
-        offset += size
+        offset += spec.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    # Each tensor is let go before the next is asked for (made: gathered), so not zipped with the specs:
+    # zip's reused tuple would keep it.
+    stream = iter(tensors)
     with open(path, "wb") as handle:
         handle.write(struct.pack("<Q", len(raw)) + raw)
-        for spec, tensor in zip(specs, tensors, strict=True):
-            if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
-                raise ValueError(f"{spec.name}: {tensor.dtype} {tuple(tensor.shape)}, the header says {spec}")
+        for spec in specs:
+            tensor = next(stream, None)
+            if tensor is None or tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
+                got = "nothing" if tensor is None else f"{tensor.dtype} {tuple(tensor.shape)}"
+                raise ValueError(f"{spec.name}: {got}, the header says {spec}")
             handle.write(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            del tensor
+        if next(stream, None) is not None:
+            raise ValueError(f"{path}: more tensors than the {len(specs)} its header lists")
     _readable_as_umask_allows(path)
 
 

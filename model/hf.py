@@ -9,15 +9,25 @@ does, so q/k rows are permuted back at load and forward at export.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from model.args import ModelArgs, RopeScaling
-from model.checkpoint import LazyTensors, save_tensors, state_mismatch, tensor_names
+from model.checkpoint import (
+    CheckpointWriteError,
+    LazyTensors,
+    TensorSpec,
+    state_mismatch,
+    tensor_names,
+    write_tensors,
+)
 from model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, read_json, save_tokenizer
 
 LAYER_NAMES = {
@@ -32,6 +42,8 @@ LAYER_NAMES = {
     "post_attention_layernorm": "ffn_norm",
 }
 TOP_NAMES = {"model.embed_tokens": "tok_embeddings", "model.norm": "norm", "lm_head": "output"}
+# transformers' own default shard size.
+MAX_SHARD_BYTES = 5 * 10**9
 
 
 def is_hf_checkpoint(path: str | Path) -> bool:
@@ -282,79 +294,114 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, tokenizer: Tokenizer | None) 
     return config
 
 
+class WeightStream(NamedTuple):
+    """Weights that come one tensor at a time: the names and full shapes of the tensors `tensors` yields,
+    in that order (a parallel model's, gathered in turn by parallel/checkpoint.export_parallel_hf)."""
+
+    shapes: dict[str, tuple[int, ...]]
+    tensors: Iterable[torch.Tensor]
+
+
+def hf_tensor(name: str, tensor: torch.Tensor, args: ModelArgs, dtype: torch.dtype) -> torch.Tensor:
+    """A weft tensor as a Hugging Face directory stores it: in `dtype` on the CPU, q/k rows in rotate-half
+    order (cast before the permutation, whose copy is then in `dtype`)."""
+    tensor = tensor.detach().to("cpu", dtype)
+    if name.endswith("attention.wq.weight"):
+        tensor = interleaved_to_rotate_half(tensor, args.n_heads)
+    elif name.endswith("attention.wk.weight"):
+        tensor = interleaved_to_rotate_half(tensor, args.n_kv_heads)
+    return tensor.contiguous()
+
+
+def _hf_tensors(weights: WeightStream, args: ModelArgs, dtype: torch.dtype) -> Iterator[torch.Tensor]:
+    """hf_tensor of each tensor as it comes, the one before it no longer held when the next is asked for
+    (from a parallel model: gathered)."""
+    stream = iter(weights.tensors)
+    for name in weights.shapes:
+        tensor = next(stream)
+        yield hf_tensor(name, tensor, args, dtype)
+        del tensor
+
+
+def _shards(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
+    """The tensors in files of at most `max_bytes` each (a larger tensor alone in its own), in order."""
+    shards: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if shards[-1] and size + spec.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(spec)
+        size += spec.nbytes
+    return shards
+
+
 def export_hf(
-    model_or_state_dict: torch.nn.Module | dict[str, torch.Tensor],
+    weights: torch.nn.Module | Mapping[str, torch.Tensor] | WeightStream,
     args: ModelArgs,
     out_dir: str | Path,
     tokenizer: Tokenizer | None = None,
     dtype: torch.dtype = torch.bfloat16,
-    max_shard_bytes: int = 5 * 10**9,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
     overwrite: bool = False,
 ) -> Path:
-    """Write a weft model (or its state dict) as a Hugging Face Llama directory that `transformers`
-    loads: config.json, generation_config.json, safetensors (sharded with an index above
+    """Write a weft model (its state dict, or a WeightStream) as a Hugging Face Llama directory that
+    `transformers` loads: config.json, generation_config.json, safetensors (sharded with an index above
     `max_shard_bytes`) and the tokenizer's files (a tokenizer.json of the byte tokenizer, so that
-    transformers encodes as weft does). Atomic: written in a temporary directory, then
-    renamed; an existing non-empty `out_dir` is refused unless `overwrite`."""
+    transformers encodes as weft does). The files are planned from the shapes and each tensor is
+    converted and written as it comes: besides the weights given, the export holds one converted tensor
+    at a time (from a WeightStream, one tensor and its converted copy in all). Atomic: written in a
+    temporary directory, then renamed; an existing non-empty `out_dir` is refused unless `overwrite`,
+    and a failed write (a full disk) raises CheckpointWriteError, leaving `out_dir` as it was."""
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(
             f"{out} exists and is not empty: choose another directory or pass overwrite=True"
         )
-    if isinstance(model_or_state_dict, torch.nn.Module):
-        state = dict(model_or_state_dict.state_dict())
-    else:
-        state = dict(model_or_state_dict)
-    if args.tie_embeddings:
-        state.pop("output.weight", None)
-    check_state(
-        {name: tuple(t.shape) for name, t in state.items()},
-        args,
-        "the weights to export do not fit `args`",
-        "pass the model's own args",
+    if not isinstance(weights, WeightStream):
+        state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
+        names = [name for name in state if not (args.tie_embeddings and name == "output.weight")]
+        weights = WeightStream({name: tuple(state[name].shape) for name in names}, (state[n] for n in names))
+    check_state(weights.shapes, args, "the weights to export do not fit `args`", "pass the model's own args")
+    specs = [TensorSpec(hf_name(name), dtype, shape) for name, shape in weights.shapes.items()]
+    shards = _shards(specs, max_shard_bytes)
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     )
-    tensors = {}
-    for name, tensor in state.items():
-        if name.endswith("attention.wq.weight"):
-            tensor = interleaved_to_rotate_half(tensor, args.n_heads)
-        elif name.endswith("attention.wk.weight"):
-            tensor = interleaved_to_rotate_half(tensor, args.n_kv_heads)
-        tensors[hf_name(name)] = tensor.detach().to("cpu", dtype).contiguous()
+    tensors = _hf_tensors(weights, args, dtype)
 
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    if len(shards) == 1:
-        save_tensors(shards[0], tmp / "model.safetensors", metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, start=1):
-            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_tensors(shard, tmp / file, metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, file))
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    config = hf_config(args, dtype, tokenizer)
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    if isinstance(tokenizer, HFTokenizer):
-        save_tokenizer(tokenizer, tmp)
-    elif isinstance(tokenizer, ByteTokenizer):
-        tokenizer.write_hf_files(tmp)
-    # The source's generation_config.json (copied with the tokenizer: its end ids and sampling
-    # defaults) wins over the single ids config.json names.
-    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
-    generation.update(read_json(tmp / "generation_config.json"))
-    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    try:
+        tmp.mkdir(parents=True)
+        for file, shard in zip(files, shards, strict=True):
+            # transformers refuses a safetensors file whose metadata names no framework.
+            write_tensors(tmp / file, shard, itertools.islice(tensors, len(shard)), metadata={"format": "pt"})
+        if len(shards) > 1:
+            weight_map = {
+                spec.name: file for file, shard in zip(files, shards, strict=True) for spec in shard
+            }
+            index = {"metadata": {"total_size": sum(spec.nbytes for spec in specs)}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        config = hf_config(args, dtype, tokenizer)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if isinstance(tokenizer, HFTokenizer):
+            save_tokenizer(tokenizer, tmp)
+        elif isinstance(tokenizer, ByteTokenizer):
+            tokenizer.write_hf_files(tmp)
+        # The source's generation_config.json (copied with the tokenizer: its end ids and sampling
+        # defaults) wins over the single ids config.json names.
+        generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+        generation.update(read_json(tmp / "generation_config.json"))
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    except BaseException as err:
+        # A full disk or a quota: the partial files would hold space that the next export needs.
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, OSError):
+            raise CheckpointWriteError(f"cannot export the model to {out}: {err}") from err
+        raise
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)

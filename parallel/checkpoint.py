@@ -1,13 +1,13 @@
 """Checkpoints of a parallelized model in weft's one layout-free format.
 
-Saving gathers every tensor to its full (tp = 1, unsharded) shape, one at a time, each written into rank
-0's file before the next is gathered (neither a GPU nor rank 0's host memory holds more than one full
-tensor): FSDP shards with an all-gather over dp, tensor-parallel shards with an all-gather over tp along
-the dimension the plan recorded. A checkpoint written at tp = 2 therefore holds what one written at tp =
-1 holds, and loads at any tp; so do Hugging Face directories. Loading reads the full tensors on every
-rank, one at a time from the memory-mapped files, and keeps each rank's slice: `materialize` (a model's
-first weights: serving, train.py's init_from) and `load_parallel_checkpoint` (resuming training: weights
-and AdamW's moments).
+Saving (and exporting a Hugging Face directory: export_parallel_hf) gathers every tensor to its full
+(tp = 1, unsharded) shape, one at a time, each written into rank 0's file before the next is gathered
+(neither a GPU nor rank 0's host memory holds more than one full tensor): FSDP shards with an all-gather
+over dp, tensor-parallel shards with an all-gather over tp along the dimension the plan recorded. A
+checkpoint written at tp = 2 therefore holds what one written at tp = 1 holds, and loads at any tp; so
+do Hugging Face directories. Loading reads the full tensors on every rank, one at a time from the
+memory-mapped files, and keeps each rank's slice: `materialize` (a model's first weights: serving,
+train.py's init_from) and `load_parallel_checkpoint` (resuming training: weights and AdamW's moments).
 
 Every rank must call these functions (they communicate); only rank 0 needs to write the result.
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -37,10 +37,14 @@ from model.checkpoint import (
     write_checkpoint,
     write_tensors,
 )
+from model.hf import MAX_SHARD_BYTES, WeightStream, export_hf
+from model.tokenizer import Tokenizer
 from parallel.comm import all_gather
 
 if TYPE_CHECKING:  # parallel/parallelize.py imports this module
     from parallel.parallelize import ParallelState
+
+_T = TypeVar("_T")
 
 
 def _state(model: nn.Module) -> ParallelState | None:
@@ -140,6 +144,7 @@ def _gathered(
     for _, name, t in items:
         full = _full(t, name, state) if name else t.detach()
         yield full.to("cpu").contiguous() if keep else None
+        del full  # not held while the next is gathered
 
 
 def full_model_state(model: nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:
@@ -304,6 +309,19 @@ def is_writer() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def _written_by_rank_0(write: Callable[[], _T], streams: list[Iterator[torch.Tensor | None]]) -> _T | None:
+    """`write()` on rank 0 (which writes the tensors of `streams`, _gathered's, as they come); None
+    elsewhere. Every rank then gathers whatever the streams have left (off rank 0, all of them), so that
+    the collectives line up whether or not rank 0's write failed: a full disk raises on rank 0 once every
+    tensor is gathered."""
+    try:
+        return write() if is_writer() else None
+    finally:
+        for stream in streams:
+            for _ in stream:
+                pass
+
+
 def save_parallel_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -328,20 +346,39 @@ def save_parallel_checkpoint(
     files = {"model.safetensors": _model_tensors(model), "train_state.safetensors": rng + optimizer_items}
     streams = {file: (_specs(items, state), _gathered(items, state, writer)) for file, items in files.items()}
 
-    def write_tensor_files(directory: Path) -> None:
-        for file, (specs, tensors) in streams.items():
-            write_tensors(directory / file, specs, tensors)
+    def write() -> Path:
+        def write_tensor_files(directory: Path) -> None:
+            for file, (specs, tensors) in streams.items():
+                write_tensors(directory / file, specs, tensors)
 
-    try:
-        if not writer:
-            return None
         meta = checkpoint_meta(step, model.args, scheduler, data_state, config, hf_tokenizer, optimizer_meta)
         return write_checkpoint(run_dir, step, write_tensor_files, meta, keep)
-    finally:
-        # The other ranks gather every tensor; so does rank 0, whatever its write left (a full disk).
-        for _, tensors in streams.values():
-            for _ in tensors:
-                pass
+
+    return _written_by_rank_0(write, [tensors for _, tensors in streams.values()])
+
+
+def export_parallel_hf(
+    model: nn.Module,
+    out_dir: str | Path,
+    tokenizer: Tokenizer | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path | None:
+    """model/hf.export_hf for a parallelized model, the same directory: every rank gathers each weight
+    in turn (collective) and rank 0 converts and writes it as it comes, so that neither a GPU nor rank
+    0's host memory holds more than one full tensor (and its converted copy). Returns the directory on
+    rank 0, None elsewhere; rank 0's failed write (a full disk) raises CheckpointWriteError once every
+    rank has gathered everything, leaving `out_dir` as it was."""
+    items, state = _model_tensors(model), _state(model)
+    shapes = {spec.name: spec.shape for spec in _specs(items, state)}
+    tensors = _gathered(items, state, is_writer())
+    weights = WeightStream(shapes, tensors)
+
+    def write() -> Path:
+        return export_hf(weights, model.args, out_dir, tokenizer, dtype, max_shard_bytes, overwrite)
+
+    return _written_by_rank_0(write, [tensors])
 
 
 def load_parallel_checkpoint(

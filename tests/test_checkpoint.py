@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import model.checkpoint as checkpoint
@@ -292,13 +293,18 @@ def test_streamed_tensor_file_is_what_safetensors_reads(tmp_path: Path) -> None:
     specs = [checkpoint.TensorSpec(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()]
     previous = os.umask(0o022)
     try:
-        checkpoint.write_tensors(tmp_path / "t.safetensors", specs, iter(tensors.values()))
+        checkpoint.write_tensors(tmp_path / "t.safetensors", specs, iter(tensors.values()), {"format": "pt"})
     finally:
         os.umask(previous)
     back = load_file(str(tmp_path / "t.safetensors"))
+    assert safe_open(str(tmp_path / "t.safetensors"), framework="pt").metadata() == {"format": "pt"}
     assert back.keys() == tensors.keys()
     for key, t in tensors.items():
         assert back[key].dtype == t.dtype and torch.equal(back[key], t), key
     assert (tmp_path / "t.safetensors").stat().st_mode & 0o777 == 0o644
     with pytest.raises(ValueError, match=r"w: torch.float32 \(3, 5\), the header says"):
         checkpoint.write_tensors(tmp_path / "u.safetensors", specs[:1], [torch.randn(3, 5)])
+    with pytest.raises(ValueError, match=r"h: nothing, the header says"):
+        checkpoint.write_tensors(tmp_path / "u.safetensors", specs[:2], [tensors["w"]])
+    with pytest.raises(ValueError, match=r"more tensors than the 1 its header lists"):
+        checkpoint.write_tensors(tmp_path / "u.safetensors", specs[:1], [tensors["w"], tensors["h"]])

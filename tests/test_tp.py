@@ -1,7 +1,8 @@
 """Tensor + sequence parallel Llama on gloo at world sizes 2 and 4 (fp32): logits, loss and every
 parameter gradient equal the single-process model within 1e-5; also FSDP2 x TP (dp=2, tp=2), TP x
-Ulysses (tp=2, cp=2), TP without sequence parallelism, greedy generation at tp=2 equal to tp=1, and a
-checkpoint saved at tp=2 loading at tp=1 and tp=4."""
+Ulysses (tp=2, cp=2), TP without sequence parallelism, greedy generation at tp=2 equal to tp=1, a
+checkpoint saved at tp=2 loading at tp=1 and tp=4, and a Hugging Face export at tp=2 or FSDP2 equal to
+the plain model's, gathered one tensor at a time."""
 
 from __future__ import annotations
 
@@ -21,9 +22,12 @@ import torch.nn.functional as F
 from model.args import ModelArgs
 from model.checkpoint import CheckpointWriteError, LazyTensors, latest_checkpoint, load_checkpoint
 from model.generate import generate
+from model.hf import expected_shapes, export_hf
 from model.llama import Llama
+from model.tokenizer import ByteTokenizer
 from parallel.checkpoint import (
     _full,
+    export_parallel_hf,
     full_model_state,
     full_optimizer_state,
     init_parallel_weights,
@@ -413,6 +417,135 @@ def _save_with_a_full_disk(rank: int, world: int, out: str) -> None:
 
 def test_a_failed_parallel_save_raises_on_rank_0_and_every_rank_goes_on(tmp_path: Path) -> None:
     run_ranks(_save_with_a_full_disk, 4, str(tmp_path))
+
+
+# -- Hugging Face export of a parallel model: gathered one tensor at a time -----------------------------
+
+# Several files of the small model's weights: the export's shards and index are compared too.
+EXPORT_SHARD_BYTES = 40_000
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(directory.iterdir())}
+
+
+@contextlib.contextmanager
+def one_gathered_tensor_at_a_time() -> Iterator[dict[str, int]]:
+    """Fail if a gathered tensor, or its copy converted for export, is still alive when the next
+    tensor is gathered; yields the number of gathers."""
+    import model.hf as hf
+    import parallel.checkpoint
+
+    gathers, alive = {"count": 0}, []
+    full, convert = parallel.checkpoint._full, hf.hf_tensor
+
+    def track(tensor: torch.Tensor) -> torch.Tensor:
+        alive.append(weakref.ref(tensor))
+        return tensor
+
+    def gather(t: torch.Tensor, name: str, state) -> torch.Tensor:
+        alive[:] = [ref for ref in alive if ref() is not None]
+        assert not alive, f"{name} gathered while an earlier full tensor is still held"
+        gathers["count"] += 1
+        return track(full(t, name, state))
+
+    parallel.checkpoint._full = gather
+    hf.hf_tensor = lambda name, tensor, args, dtype: track(convert(name, tensor, args, dtype))
+    try:
+        yield gathers
+    finally:
+        parallel.checkpoint._full, hf.hf_tensor = full, convert
+
+
+def _export(rank: int, world: int, out: str, dims: ParallelDims, tie: bool, dtype: torch.dtype) -> None:
+    model = full_model(small_args(tie))
+    parallelize_llama(model, build_mesh(dims, "cpu"))
+    with one_gathered_tensor_at_a_time() as gathers:
+        written = export_parallel_hf(
+            model, out, tokenizer=ByteTokenizer(), dtype=dtype, max_shard_bytes=EXPORT_SHARD_BYTES
+        )
+    assert written == (Path(out) if rank == 0 else None)
+    assert gathers["count"] == len(expected_shapes(small_args(tie)))  # (a tied output weight is not one)
+
+
+@pytest.mark.parametrize(
+    "dims, tie, dtype",
+    [
+        (ParallelDims(dp=1, cp=1, tp=2), False, torch.bfloat16),
+        (ParallelDims(dp=2, cp=1, tp=1), True, torch.float32),  # FSDP2
+    ],
+    ids=["tp2", "fsdp2-tied"],
+)
+def test_parallel_export_equals_the_single_process_one_and_gathers_one_tensor_at_a_time(
+    tmp_path: Path, dims: ParallelDims, tie: bool, dtype: torch.dtype
+) -> None:
+    """export_parallel_hf writes, byte for byte, the directory export_hf writes of the plain model
+    (sharded files, index, config and tokenizer), while rank 0 holds one gathered tensor at a time."""
+    run_ranks(_export, dims.world, str(tmp_path / "parallel"), dims, tie, dtype)
+    args = small_args(tie)
+    model = full_model(args)
+    single = export_hf(
+        model, args, tmp_path / "single", ByteTokenizer(), dtype=dtype, max_shard_bytes=EXPORT_SHARD_BYTES
+    )
+    exported = files_of(tmp_path / "parallel")
+    assert exported == files_of(single)
+    assert "model.safetensors.index.json" in exported
+    assert sum(name.endswith(".safetensors") for name in exported) > 1
+    if dtype == torch.float32:  # and transformers runs it as weft runs the model
+        transformers = pytest.importorskip("transformers")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "parallel").eval()
+        tokens = torch.randint(0, args.vocab_size, (2, 16))
+        with torch.no_grad():
+            assert (model(tokens) - hf(tokens).logits).abs().max().item() <= 1e-4
+
+
+def _export_with_a_full_disk(rank: int, world: int, run_dir: str) -> None:
+    import model.hf as hf
+    import train
+
+    model = full_model(small_args())
+    parallelize_llama(model, build_mesh(ParallelDims(dp=2, cp=1, tp=2), "cpu"))
+    out = Path(run_dir) / "hf"
+    export_parallel_hf(model, out, max_shard_bytes=EXPORT_SHARD_BYTES)  # an earlier export
+    before = files_of(out) if rank == 0 else {}
+    if rank == 0:  # the disk fills up in the second file, after its first tensor
+        write = hf.write_tensors
+
+        def full_disk(path: Path, specs: list, tensors: Iterator, metadata: dict | None = None) -> None:
+            if path.name.startswith("model-00001-"):
+                return write(path, specs, tensors, metadata)
+            next(iter(tensors))
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        hf.write_tensors = full_disk
+    try:
+        written = export_parallel_hf(model, out, max_shard_bytes=EXPORT_SHARD_BYTES, overwrite=True)
+        assert rank != 0 and written is None
+    except CheckpointWriteError as err:
+        assert rank == 0 and "No space left on device" in str(err)
+    # train.py's export: every rank stops, rank 0 saying why and how to export again.
+    train.launch_resume_command = lambda run_dir: "RESUME"
+    with pytest.raises(SystemExit) as stopped:
+        train.export_run(model, model.args, Path(run_dir), ByteTokenizer(), sharded=True)
+    if rank == 0:
+        assert (
+            "No space left on device" in stopped.value.code
+            and "export them with: RESUME" in stopped.value.code
+        )
+    else:
+        assert stopped.value.code == 1
+    # Every rank took part in every gather: the next collectives line up.
+    full = full_model_state(model)
+    assert full.keys() == full_model(small_args()).state_dict().keys()
+    if rank == 0:  # the earlier export untouched, no partial directory left beside it
+        assert files_of(out) == before
+        assert [path.name for path in Path(run_dir).iterdir()] == ["hf"]
+
+
+def test_a_failed_parallel_export_raises_on_rank_0_keeps_the_old_export_and_every_rank_goes_on(
+    tmp_path: Path,
+) -> None:
+    run_ranks(_export_with_a_full_disk, 4, str(tmp_path))
 
 
 # -- bad input: one-line errors before any work --------------------------------------------------------
