@@ -51,7 +51,7 @@ from parallel.checkpoint import (
 )
 from parallel.comm import check_comms
 from parallel.loss import cross_entropy
-from parallel.mesh import build_mesh, validate_comm_ops, validate_model
+from parallel.mesh import build_mesh, data_parallel_rank, validate_comm_ops, validate_model
 from parallel.parallelize import (
     ParallelizeConfig,
     apply_activation_checkpointing,
@@ -364,7 +364,7 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
     sharded = dims.model_parallel or (world > 1 and cfg.parallel.fsdp) or dims.dp_replicate > 1
     check_training_fits(args, dims, t, sharded, device)
     mesh = build_mesh(dims, device.type) if sharded else None
-    dp_rank = mesh["dp"].get_local_rank() if mesh is not None else rank
+    dp_rank = data_parallel_rank(mesh) if mesh is not None else rank
     dp_size = dims.dp if mesh is not None else world
     cp_chunk = None
     if dims.cp > 1:

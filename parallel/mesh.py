@@ -176,20 +176,27 @@ def validate_comm_ops(dims: ParallelDims, training: bool) -> None:
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     """The global DeviceMesh of shape (dp, cp, tp), dims named "dp", "cp", "tp". Under HSDP its dims are
-    "dp_replicate", "dp_shard", "cp", "tp", with "dp" the two first flattened (mesh["dp"] as without)."""
+    "dp_replicate", "dp_shard", "cp", "tp" (data_parallel_rank: a rank's index among the dp ranks)."""
     if not dist.is_initialized():
         raise RuntimeError("build_mesh needs an initialised process group (torchrun)")
     if dist.get_world_size() != dims.world:
         raise ValueError(f"world size {dist.get_world_size()} != dp*cp*tp = {dims.dp}*{dims.cp}*{dims.tp}")
     if dims.dp_replicate == 1:
         return init_device_mesh(device_type, (dims.dp, dims.cp, dims.tp), mesh_dim_names=("dp", "cp", "tp"))
-    mesh = init_device_mesh(
+    return init_device_mesh(
         device_type,
         (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp),
         mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
     )
-    mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    return mesh
+
+
+def data_parallel_rank(mesh: DeviceMesh) -> int:
+    """This rank's index among the dp ranks (which slice of the batch it trains on). Under HSDP the
+    replicas are outermost; torch deprecates slicing a flattened "dp" dim from the root mesh, so the
+    index is computed from the two dims."""
+    if "dp_replicate" not in (mesh.mesh_dim_names or ()):
+        return mesh["dp"].get_local_rank()
+    return mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size() + mesh["dp_shard"].get_local_rank()
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:

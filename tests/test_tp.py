@@ -39,6 +39,7 @@ from parallel.loss import cross_entropy
 from parallel.mesh import (
     ParallelDims,
     build_mesh,
+    data_parallel_rank,
     parallel_dims,
     tensor_parallel_ops,
     validate_comm_ops,
@@ -107,7 +108,7 @@ def _check_training(case: Case, rank: int, world: int) -> None:
     )
     parallelize_llama(model, mesh, cfg)
     # This rank's data: its dp slice of the batch, its cp chunk of the sequence.
-    dp_rank, cp_rank = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank()
+    dp_rank, cp_rank = data_parallel_rank(mesh), mesh["cp"].get_local_rank()
     rows = slice(dp_rank * bsz // case.dp, (dp_rank + 1) * bsz // case.dp)
     cols = slice(cp_rank * seq // case.cp, (cp_rank + 1) * seq // case.cp)
     logits = model(tokens[rows, cols])
@@ -224,7 +225,7 @@ def _check_fsdp_gathers_in_autocast_dtype(rank: int, world: int, tp: int, tie: b
     # This rank's rows in two micro-batches, gradients reduced after the second only (train.py's
     # grad_accum): FSDP2 accumulates the bf16 gradients in fp32 in between.
     per_micro = 4 // dp // 2
-    first = mesh["dp"].get_local_rank() * 2 * per_micro
+    first = data_parallel_rank(mesh) * 2 * per_micro
     loss = torch.zeros(())
     for micro in range(2):
         model.set_requires_gradient_sync(micro == 1)

@@ -21,7 +21,7 @@ from parallel.checkpoint import _full, full_model_state, full_optimizer_state
 from parallel.comm import all_gather
 from parallel.distributed import shared_gpu
 from parallel.loss import cross_entropy
-from parallel.mesh import ParallelDims, build_mesh
+from parallel.mesh import ParallelDims, build_mesh, data_parallel_rank
 from parallel.parallelize import ParallelizeConfig, clip_grad_norm_, parallelize_llama
 from tests.multiprocess import rank_gpu, run_ranks
 from tests.test_tp import full_model, small_args
@@ -89,7 +89,7 @@ def _fsdp_tp_trains(device: torch.device, dims: ParallelDims) -> None:
     parallelize_llama(model, mesh, plan)
     assert model.parallel.fsdp
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    torch.manual_seed(10 + mesh["dp"].get_local_rank())  # each dp rank its own (fixed) batch
+    torch.manual_seed(10 + data_parallel_rank(mesh))  # each dp rank its own (fixed) batch
     tokens = torch.randint(0, args.vocab_size, (4, 32), device=device)
     losses = []
     for _ in range(50):
