@@ -136,14 +136,18 @@ def _specs(
 
 
 def _gathered(
-    items: list[tuple[str, str | None, torch.Tensor]], state: ParallelState | None, keep: bool
+    items: list[tuple[str, str | None, torch.Tensor]],
+    state: ParallelState | None,
+    keep: bool,
+    dtype: torch.dtype | None = None,
 ) -> Iterator[torch.Tensor | None]:
-    """Each tensor at its full shape in turn (a collective: every rank, in the same order), moved to the
-    CPU before the next is gathered, so a GPU never holds more than one full tensor; None where not
-    `keep` (every rank but the writer takes part in the gathers and keeps nothing)."""
+    """Each tensor at its full shape in turn (a collective: every rank, in the same order), cast to
+    `dtype` where given (on its device: an export's bf16 crosses to the host at half fp32's bytes) and
+    moved to the CPU before the next is gathered, so a GPU never holds more than one full tensor; None
+    where not `keep` (every rank but the writer takes part in the gathers and keeps nothing)."""
     for _, name, t in items:
         full = _full(t, name, state) if name else t.detach()
-        yield full.to("cpu").contiguous() if keep else None
+        yield full.to(dtype or full.dtype).to("cpu").contiguous() if keep else None
         del full  # not held while the next is gathered
 
 
@@ -372,7 +376,7 @@ def export_parallel_hf(
     rank has gathered everything, leaving `out_dir` as it was."""
     items, state = _model_tensors(model), _state(model)
     shapes = {spec.name: spec.shape for spec in _specs(items, state)}
-    tensors = _gathered(items, state, is_writer())
+    tensors = _gathered(items, state, is_writer(), dtype)
     weights = WeightStream(shapes, tensors)
 
     def write() -> Path:
