@@ -36,7 +36,7 @@ from configs.schema import TrainConfig
 from configs.validate import check_shape_overrides, validate_train_config
 from model.args import ModelArgs
 from model.checkpoint import CheckpointWriteError, load_checkpoint, load_newest_intact, save_checkpoint
-from model.data import PackedDataset, build_dataset, load_documents, marks_document_boundaries
+from model.data import PackedDataset, corpus_tokens, marks_document_boundaries
 from model.hf import export_hf
 from model.llama import Llama
 from model.loading import checkpoint_tokenizer, resolve_init_weights
@@ -376,9 +376,18 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
             f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size={args.vocab_size}: "
             "raise model.vocab_size"
         )
-    dataset = build_dataset(
-        load_documents(cfg.data.path, cfg.data.jsonl_field),
+    # Memory-mapped: tokenized once into data.cache_dir (on each node by its LOCAL_RANK 0), then read by
+    # every rank and every later launch. Where from, `tokens_origin`, is logged after the run directory.
+    tokens, tokens_origin = corpus_tokens(
+        cfg.data.path,
+        cfg.data.jsonl_field,
         tokenizer,
+        cfg.data.cache_dir,
+        args.vocab_size,
+        stop_requested=lambda: stop.signal is not None,
+    )
+    dataset = PackedDataset(
+        tokens,
         seq_len=t.seq_len,
         batch_size=t.batch_size,
         rank=dp_rank,
@@ -445,6 +454,7 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
             else ""
         )
         log.info(f"model {args.name}: {args.num_params() / 1e6:.1f}M parameters on {device} x{world}{layout}")
+        log.info(tokens_origin)
         if isinstance(tokenizer, HFTokenizer) and not marks_document_boundaries(tokenizer):
             log.warning(
                 f"warning: the tokenizer in {shown(tokenizer.directory)} names no begin- or end-of-text "

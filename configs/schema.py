@@ -79,10 +79,19 @@ class TrainingConfig:
 @dataclass
 class DataConfig:
     # None: Python's own documentation topics (shipped with Python). Else a .jsonl file (a document per
-    # line), a UTF-8 text file (.txt, .md, .rst, .py, .text: one document) or a directory of such files.
+    # line), a UTF-8 text file (.txt, .md, .rst, .py, .text: one document) or a directory of such files;
+    # any of these is tokenized once into cache_dir. Or a .npy file holding a 1-D integer array of token
+    # ids (tokenized elsewhere: memory-mapped as it is, each id checked to be below model.vocab_size).
     path: str | None = None
     # Field holding the text in each line of a .jsonl file.
     jsonl_field: str = "text"
+    # Where the corpus' token ids are kept (2 bytes a token, 4 with over 65536 ids), one file per corpus,
+    # jsonl_field and tokenizer, named by a hash of them (a corpus file's path, size and modification
+    # time): the first launch tokenizes (under torchrun, LOCAL_RANK 0 of each node; the others wait for
+    # the file), later ones and every rank memory-map the file. None: $XDG_CACHE_HOME/weft/tokens, else
+    # ~/.cache/weft/tokens. Files there can be deleted at any time: a launch rebuilds what it needs (a
+    # build killed outright leaves a <name>.tmp-<host>-<pid> file, never read).
+    cache_dir: str | None = None
 
 
 @dataclass

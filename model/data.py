@@ -1,19 +1,46 @@
-"""Training text -> packed fixed-length token windows, sharded deterministically across ranks, with
-a position that a checkpoint saves for an exact resume."""
+"""Training text -> a file of token ids on disk, memory-mapped by every rank -> packed fixed-length
+windows, sharded deterministically across ranks, with a position that a checkpoint saves for an exact
+resume.
+
+A corpus is tokenized once: `corpus_tokens` streams it, file by file and a chunk of documents at a time,
+into a token file under data.cache_dir named by everything its tokens depend on (`cache_key`); every rank
+of the launch, and every later launch, memory-maps that file. A rank's host memory then holds a batch and
+the epoch's order of windows, not the corpus. A .npy file of token ids is memory-mapped as it is."""
 
 from __future__ import annotations
 
+import codecs
+import hashlib
+import itertools
 import json
+import logging
 import os
-from collections.abc import Sequence
+import socket
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from model.tokenizer import Tokenizer
+from model.tokenizer import HFTokenizer, Tokenizer
+
+log = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".text"}
 SUFFIXES = "/".join(sorted(TEXT_SUFFIXES | {".jsonl"}))
+# Part of every token file's key: bump it when the tokens written for the same key change, so that no
+# launch reads a file an older weft wrote.
+FORMAT_VERSION = 1
+# What a build holds at once: this many documents, or fewer whose text reaches CHUNK_CHARS characters.
+CHUNK_DOCUMENTS = 1024
+CHUNK_CHARS = 1 << 24
+# Seconds between the progress lines of a build, and of a rank waiting for one.
+PROGRESS_S = 30.0
+POLL_S = 0.5
+# Token ids of a .npy file checked at once (128 MiB of int64).
+CHECK_CHUNK = 1 << 24
 
 
 def default_corpus() -> list[str]:
@@ -23,41 +50,68 @@ def default_corpus() -> list[str]:
     return [topics[key] for key in sorted(topics)]
 
 
+def not_utf8(path: Path, reason: str, byte: int) -> ValueError:
+    return ValueError(f"{path} is not UTF-8 text ({reason} at byte {byte}): convert it to UTF-8")
+
+
 def read_text(path: Path) -> str:
     try:
         # A byte order mark (some Windows editors start UTF-8 files with one) is no part of the text.
         return path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as error:
-        raise ValueError(
-            f"{path} is not UTF-8 text ({error.reason} at byte {error.start}): convert it to UTF-8"
-        ) from None
+        raise not_utf8(path, error.reason, error.start) from None
 
 
-def read_documents(path: Path, jsonl_field: str) -> list[str]:
-    """A .jsonl file's documents (the `jsonl_field` string of each line), or a text file as one."""
+def text_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """The lines of a UTF-8 file, numbered from 1, as `read_text(path).split("\\n")` gives them (a byte
+    order mark dropped; "\\r\\n" and a lone "\\r" end a line too, as in Python's text files), read a
+    line at a time. A byte that is not UTF-8 is named at the offset read_text names (after any BOM)."""
+    number, offset = 0, 0
+    with path.open("rb") as file:
+        # Lines end at b"\n" here: no UTF-8 character holds that byte, so each line decodes on its own,
+        # with its "\n" (a character cut short before it is an "invalid continuation byte", as in the
+        # whole file).
+        for index, raw in enumerate(file):
+            if index == 0 and raw.startswith(codecs.BOM_UTF8):
+                raw = raw[len(codecs.BOM_UTF8) :]
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise not_utf8(path, error.reason, offset + error.start) from None
+            offset += len(raw)
+            lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+            if lines[-1] == "":  # (the nothing after this line's end is no line)
+                lines.pop()
+            for line in lines:
+                number += 1
+                yield number, line
+
+
+def read_documents(path: Path, jsonl_field: str) -> Iterator[str]:
+    """A .jsonl file's documents (the `jsonl_field` string of each line), read a line at a time, or a
+    text file as one document."""
     if path.suffix not in TEXT_SUFFIXES | {".jsonl"}:
         raise ValueError(f"{path} is not a {SUFFIXES} file: weft reads UTF-8 text (decompress or rename it)")
-    if path.suffix == ".jsonl":
-        documents = []
-        # Lines end at "\n" only: str.splitlines also breaks at U+2028, U+2029 and U+0085, which JSON
-        # writers leave unescaped inside strings (json.dumps with ensure_ascii=False does).
-        for number, line in enumerate(read_text(path).split("\n"), start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{number} is not valid JSON ({error.msg})") from None
-            if not isinstance(record, dict) or jsonl_field not in record:
-                raise ValueError(f"{path}:{number} has no field {jsonl_field!r}: set data.jsonl_field")
-            if not isinstance(record[jsonl_field], str):
-                kind = type(record[jsonl_field]).__name__
-                raise ValueError(
-                    f"{path}:{number}: {jsonl_field!r} is a {kind}, not text: set data.jsonl_field"
-                )
-            documents.append(record[jsonl_field])
-        return documents
-    return [read_text(path)]
+    if path.suffix != ".jsonl":
+        yield read_text(path)
+        return
+    # Lines end at line ends only (text_lines): str.splitlines also breaks at U+2028, U+2029 and U+0085,
+    # which JSON writers leave unescaped inside strings (json.dumps with ensure_ascii=False does). Read a
+    # line at a time, a file's first error is the first in its lines' order (a byte that is not UTF-8
+    # included).
+    for number, line in text_lines(path):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{number} is not valid JSON ({error.msg})") from None
+        if not isinstance(record, dict) or jsonl_field not in record:
+            raise ValueError(f"{path}:{number} has no field {jsonl_field!r}: set data.jsonl_field")
+        if not isinstance(record[jsonl_field], str):
+            kind = type(record[jsonl_field]).__name__
+            raise ValueError(f"{path}:{number}: {jsonl_field!r} is a {kind}, not text: set data.jsonl_field")
+        yield record[jsonl_field]
 
 
 def corpus_files(root: Path) -> list[Path]:
@@ -76,33 +130,42 @@ def corpus_files(root: Path) -> list[Path]:
     return sorted(file for file in files if file.is_file())
 
 
-def load_documents(path: str | None, jsonl_field: str = "text") -> list[str]:
-    """Documents of the corpus: the default one (path None), a text or .jsonl file, or a directory
-    of such files (read in sorted order)."""
-    if path is None:
-        return default_corpus()
+def data_files(path: str) -> list[Path]:
+    """The files data.path names: itself, or a directory's text and .jsonl files (in sorted order)."""
     root = Path(path)
     if root.is_dir():
         files = corpus_files(root)
         if not files:
             raise FileNotFoundError(f"data.path={path} holds no {SUFFIXES} files")
-        documents = [doc for file in files for doc in read_documents(file, jsonl_field)]
-    elif root.is_file():
-        documents = read_documents(root, jsonl_field)
-    else:
-        raise FileNotFoundError(f"data.path={path} does not exist: give a text/.jsonl file or a directory")
+        return files
+    if root.is_file():
+        return [root]
+    raise FileNotFoundError(f"data.path={path} does not exist: give a text/.jsonl file or a directory")
+
+
+def no_text(path: str | None) -> ValueError:
+    return ValueError(f"data.path={path} holds no text: give a corpus")
+
+
+def load_documents(path: str | None, jsonl_field: str = "text") -> list[str]:
+    """Documents of the corpus, all in memory: the default one (path None), a text or .jsonl file, or a
+    directory of such files. A token file holds tokenize_corpus of these, built without holding them
+    all (`build_token_file`)."""
+    if path is None:
+        return default_corpus()
+    documents = [doc for file in data_files(path) for doc in read_documents(file, jsonl_field)]
     if not any(documents):
-        raise ValueError(f"data.path={path} holds no text: give a corpus")
+        raise no_text(path)
     return documents
 
 
 def tokenize_corpus(documents: Sequence[str], tokenizer: Tokenizer, chunk: int = 1024) -> torch.Tensor:
-    """One stream of token ids, each document starting with BOS and ending with EOS. Nothing is cached
-    on disk."""
+    """One stream of token ids, each document starting with BOS and ending with EOS."""
     parts = [torch.zeros(0, dtype=torch.int64)]
     for first in range(0, len(documents), chunk):
         encoded = tokenizer.encode_batch(documents[first : first + chunk], bos=True, eos=True)
-        parts.append(torch.tensor([i for ids in encoded for i in ids], dtype=torch.int64))
+        # (fromiter: 3x faster than torch.tensor of a flattened list)
+        parts.append(torch.from_numpy(np.fromiter(itertools.chain.from_iterable(encoded), dtype=np.int64)))
     return torch.cat(parts)
 
 
@@ -112,33 +175,248 @@ def marks_document_boundaries(tokenizer: Tokenizer) -> bool:
     return tokenizer.encode_batch(["a"], bos=True, eos=True) != tokenizer.encode_batch(["a"], bos=False)
 
 
+def default_cache_dir() -> Path:
+    """$XDG_CACHE_HOME/weft/tokens, else ~/.cache/weft/tokens."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "weft", "tokens")
+
+
+def token_dtype(tokenizer: Tokenizer) -> np.dtype:
+    """uint16 while every id fits (2 bytes a token), else uint32."""
+    return np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
+
+
+def cache_key(files: list[Path] | None, jsonl_field: str, tokenizer: Tokenizer) -> str:
+    """A name that changes whenever the tokens would: the corpus, the field read from its .jsonl files,
+    the tokenizer and FORMAT_VERSION.
+
+    Files count by their resolved path, size and modification time, not by a hash of their contents:
+    hashing a 40 GB corpus at every launch would cost much of what the file saves, and any write
+    (an editor's, cp's, rsync's without -t) changes the time to the nanosecond. What this misses is
+    content replaced by the same number of bytes with the old time put back (touch -r, rsync -t): delete
+    the token file then. The default corpus, a few hundred KB, is hashed."""
+    if files is None:
+        corpus: object = hashlib.sha256("\0".join(default_corpus()).encode()).hexdigest()
+    else:
+        stats = [(str(file.resolve()), file.stat()) for file in files]
+        corpus = [(name, stat.st_size, stat.st_mtime_ns) for name, stat in stats]
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer_file = (tokenizer.directory / "tokenizer.json").read_bytes()
+        # tokenizer_config.json's split_special_tokens changes how a text naming a special token encodes.
+        encoding: object = [
+            hashlib.sha256(tokenizer_file).hexdigest(),
+            tokenizer.tokenizer.encode_special_tokens,
+        ]
+    else:
+        encoding = "bytes"
+    parts = [FORMAT_VERSION, corpus, jsonl_field, encoding, tokenizer.bos_id, tokenizer.eos_id]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:24]
+
+
+def chunks(documents: Iterable[str]) -> Iterator[list[str]]:
+    """The documents in lists of CHUNK_DOCUMENTS, or fewer where their text reaches CHUNK_CHARS."""
+    chunk, chars = [], 0
+    for document in documents:
+        chunk.append(document)
+        chars += len(document)
+        if len(chunk) == CHUNK_DOCUMENTS or chars >= CHUNK_CHARS:
+            yield chunk
+            chunk, chars = [], 0
+    if chunk:
+        yield chunk
+
+
+def corpus_name(path: str | None) -> str:
+    return "Python's documentation topics" if path is None else f"data.path={path}"
+
+
+def unwritable(directory: Path, error: OSError) -> ValueError:
+    return ValueError(
+        f"cannot write token files in {directory} ({error.strerror}): set data.cache_dir to a directory "
+        "you can write, with room for the corpus' tokens"
+    )
+
+
+def build_token_file(
+    target: Path,
+    path: str | None,
+    files: list[Path] | None,
+    jsonl_field: str,
+    tokenizer: Tokenizer,
+    stop_requested: Callable[[], bool],
+) -> str:
+    """Write the corpus' tokens (tokenize_corpus(load_documents(path, jsonl_field)) as token_dtype) to
+    `target`, a file at a time and a chunk of documents at a time, logging progress every PROGRESS_S
+    seconds; returns a line on what it wrote, and how fast. The tokens go to a temporary name renamed
+    to `target` once complete: a build that fails or is stopped leaves no file that a launch takes for
+    finished, and builders running at once (one per node over a shared file system) each rename a whole
+    file of the same tokens."""
+    temp = target.with_name(f"{target.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    dtype = token_dtype(tokenizer)
+    count = 1 if files is None else len(files)
+    sources = [default_corpus()] if files is None else (read_documents(file, jsonl_field) for file in files)
+    start = shown = time.monotonic()
+    tokens, has_text = 0, False
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        out = temp.open("wb")
+    except OSError as error:
+        raise unwritable(target.parent, error) from None
+    try:
+        with out:
+            for done, documents in enumerate(sources):
+                for chunk in chunks(documents):
+                    if stop_requested():
+                        raise KeyboardInterrupt
+                    ids = tokenize_corpus(chunk, tokenizer).numpy().astype(dtype)
+                    has_text = has_text or any(chunk)
+                    try:
+                        ids.tofile(out)  # (written through to the file: nothing left in out's buffer)
+                    except OSError as error:  # a full disk
+                        raise unwritable(target.parent, error) from None
+                    tokens += ids.size
+                    if time.monotonic() - shown >= PROGRESS_S:
+                        shown = time.monotonic()
+                        log.info(
+                            f"tokenizing {corpus_name(path)} into {target}: {done} of {count} files done, "
+                            f"{tokens:,} tokens ({shown - start:.0f} s)"
+                        )
+            if not has_text:
+                raise no_text(path)
+            try:
+                os.fsync(out.fileno())  # the tokens on disk before the name that says they are complete
+            except OSError as error:  # a network file system's full disk shows here
+                raise unwritable(target.parent, error) from None
+        os.replace(temp, target)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    seconds = time.monotonic() - start
+    return (
+        f"tokenized {corpus_name(path)} into {target}: {tokens:,} tokens in {seconds:.2f} s "
+        f"({tokens / seconds / 1e6:.2f}M tokens/s)"
+    )
+
+
+def wait_for(target: Path, stop_requested: Callable[[], bool]) -> None:
+    """Sleep until `target` exists, saying every PROGRESS_S seconds what this rank waits for (on
+    stderr: ranks other than 0 log nothing)."""
+    start = shown = time.monotonic()
+    while not target.exists():
+        if stop_requested():
+            raise KeyboardInterrupt
+        time.sleep(POLL_S)
+        if time.monotonic() - shown >= PROGRESS_S:
+            shown = time.monotonic()
+            rank = os.environ.get("RANK", "0")
+            print(
+                f"[rank {rank}] waiting ({shown - start:.0f} s) for LOCAL_RANK 0 to tokenize the corpus "
+                f"into {target}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def read_token_file(target: Path, dtype: np.dtype) -> np.ndarray:
+    # (mmap refuses an empty file; a corpus of texts that tokenize to nothing makes one)
+    return np.memmap(target, dtype=dtype, mode="r") if target.stat().st_size else np.zeros(0, dtype)
+
+
+def pretokenized(path: str, vocab_size: int) -> np.ndarray:
+    """A .npy file's 1-D array of integer token ids, memory-mapped, each id checked to be below
+    vocab_size (the model's: its embedding has a row for each)."""
+    try:
+        tokens = np.load(path, mmap_mode="r")
+    except ValueError as error:  # an object array (pickled), or no .npy header
+        raise ValueError(f"data.path={path} is not a .npy array of token ids ({error})") from None
+    if not isinstance(tokens, np.ndarray):
+        raise ValueError(
+            f"data.path={path} is a .npz archive: give one array of token ids, saved by numpy.save"
+        )
+    if tokens.ndim != 1:
+        raise ValueError(
+            f"data.path={path} holds an array of shape {tokens.shape}: give a 1-D array of token ids"
+        )
+    if not np.issubdtype(tokens.dtype, np.integer):
+        raise ValueError(f"data.path={path} holds {tokens.dtype} values: give integer token ids")
+    for first in range(0, tokens.size, CHECK_CHUNK):
+        part = tokens[first : first + CHECK_CHUNK]
+        low, high = int(part.min()), int(part.max())
+        if low < 0 or high >= vocab_size:
+            raise ValueError(
+                f"data.path={path} holds token id {low if low < 0 else high}, outside the model's "
+                f"{vocab_size} ids: give ids of the model's tokenizer, or raise model.vocab_size"
+            )
+    return tokens
+
+
+def corpus_tokens(
+    path: str | None,
+    jsonl_field: str,
+    tokenizer: Tokenizer,
+    cache_dir: str | None,
+    vocab_size: int,
+    stop_requested: Callable[[], bool] = lambda: False,
+) -> tuple[np.ndarray, str]:
+    """The corpus' token ids, memory-mapped, and a line for the run's log on where they come from.
+
+    A .npy file's ids are read as they are (checked against vocab_size, the model's); any other corpus
+    is tokenize_corpus(load_documents(path, jsonl_field), tokenizer), read from its token file under
+    cache_dir (None: default_cache_dir()). A missing token file is built by the process of LOCAL_RANK 0
+    (one per node, set by torchrun; a lone process has none, and builds) while the node's other ranks
+    wait for it to appear: a collective would time out during a long build. A signal (`stop_requested`)
+    ends a build or a wait with KeyboardInterrupt."""
+    if path is not None and Path(path).suffix == ".npy" and Path(path).is_file():
+        tokens = pretokenized(path, vocab_size)
+        return tokens, f"data.path={path}: {tokens.size:,} token ids"
+    if cache_dir is not None and not cache_dir.strip():
+        raise ValueError("data.cache_dir is empty: give a directory, or null")
+    files = None if path is None else data_files(path)
+    dtype = token_dtype(tokenizer)
+    directory = default_cache_dir() if cache_dir is None else Path(cache_dir)
+    target = directory / f"{cache_key(files, jsonl_field, tokenizer)}.{dtype.name}"
+    built = None
+    if not target.exists():
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            built = build_token_file(target, path, files, jsonl_field, tokenizer, stop_requested)
+        else:
+            wait_for(target, stop_requested)
+    tokens = read_token_file(target, dtype)
+    return tokens, built or f"{corpus_name(path)}: {tokens.size:,} tokens from {target}"
+
+
 class PackedDataset:
     """The token stream cut into windows of seq_len + 1 tokens (inputs and the targets one ahead).
     Each epoch visits the windows in an order drawn from (seed, epoch); step i of rank r takes windows
-    [(i * world + r) * batch, ... + batch) of that order, so ranks never share a window."""
+    [(i * world + r) * batch, ... + batch) of that order, so ranks never share a window. The tokens may
+    be a memory-mapped array (`corpus_tokens`): a batch reads its windows alone, as int64."""
 
     def __init__(
-        self, tokens: torch.Tensor, seq_len: int, batch_size: int, rank: int, world_size: int, seed: int
+        self,
+        tokens: torch.Tensor | np.ndarray,
+        seq_len: int,
+        batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
     ):
-        if tokens.dim() != 1:
+        if tokens.ndim != 1:
             raise ValueError(
-                f"PackedDataset takes a 1-D tensor of token ids, got shape {tuple(tokens.shape)}"
+                f"PackedDataset takes a 1-D array or tensor of token ids, got shape {tuple(tokens.shape)}"
             )
         if seq_len <= 0 or batch_size <= 0 or not 0 <= rank < world_size:
             raise ValueError(
                 f"need seq_len > 0, batch_size > 0 and 0 <= rank < world_size "
                 f"(got {seq_len}, {batch_size}, rank {rank} of {world_size})"
             )
-        tokens = tokens.to(torch.int64)
-        self.n_windows = max(0, (tokens.numel() - 1) // seq_len)
-        self.windows = tokens[: self.n_windows * seq_len + 1]
+        self.tokens = tokens.numpy() if isinstance(tokens, torch.Tensor) else tokens
+        self.n_windows = max(0, (len(self.tokens) - 1) // seq_len)
         self.seq_len, self.batch_size = seq_len, batch_size
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.steps_per_epoch = self.n_windows // (batch_size * world_size)
         if self.steps_per_epoch == 0:
             needed = batch_size * world_size * seq_len + 1
             raise ValueError(
-                f"the corpus has {tokens.numel()} tokens but one step over {world_size} rank(s) needs "
+                f"the corpus has {len(self.tokens)} tokens but one step over {world_size} rank(s) needs "
                 f"{needed}: use more data or a smaller training.batch_size / training.seq_len"
             )
         self.epoch, self.step = 0, 0
@@ -153,9 +431,9 @@ class PackedDataset:
             self.epoch, self.step = self.epoch + 1, 0
             self._order = self._epoch_order()
         first = (self.step * self.world_size + self.rank) * self.batch_size
-        starts = self._order[first : first + self.batch_size] * self.seq_len
-        offsets = torch.arange(self.seq_len + 1)
-        batch = self.windows[starts[:, None] + offsets[None, :]]
+        starts = (self._order[first : first + self.batch_size] * self.seq_len).tolist()
+        windows = [self.tokens[start : start + self.seq_len + 1] for start in starts]
+        batch = torch.from_numpy(np.stack(windows).astype(np.int64))
         self.step += 1
         return batch[:, :-1], batch[:, 1:]
 
@@ -181,16 +459,3 @@ class PackedDataset:
             )
         self.epoch, self.step = int(state["epoch"]), step
         self._order = self._epoch_order()
-
-
-def build_dataset(
-    documents: Sequence[str],
-    tokenizer: Tokenizer,
-    seq_len: int,
-    batch_size: int,
-    rank: int,
-    world_size: int,
-    seed: int,
-) -> PackedDataset:
-    """Tokenize the documents (as `load_documents` gives them) and pack them."""
-    return PackedDataset(tokenize_corpus(documents, tokenizer), seq_len, batch_size, rank, world_size, seed)

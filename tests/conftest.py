@@ -1,6 +1,8 @@
-"""Test-wide settings: deterministic CPU math, skip markers for GPU tests, and `--failures-at-once`."""
+"""Test-wide settings: deterministic CPU math, skip markers for GPU tests, `--failures-at-once`, and
+token files kept out of ~/.cache."""
 
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -45,6 +47,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(autouse=True)
 def _seeded() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _token_files(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The token files of the corpora the tests train on (data.cache_dir's default, under
+    $XDG_CACHE_HOME) go to a temporary directory, not the user's ~/.cache; train.py's subprocesses
+    inherit it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg_cache")))
+        yield
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")

@@ -3,16 +3,11 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from model.data import (
-    PackedDataset,
-    build_dataset,
-    load_documents,
-    marks_document_boundaries,
-    tokenize_corpus,
-)
+from model.data import PackedDataset, load_documents, marks_document_boundaries, tokenize_corpus
 from model.tokenizer import ByteTokenizer, HFTokenizer
 
 
@@ -102,7 +97,9 @@ def test_loading_errors_are_one_line(tmp_path: Path) -> None:
 def test_tokenize_joins_documents_with_eos() -> None:
     tokenizer = ByteTokenizer()
     assert tokenize_corpus(["ab", "c"], tokenizer).tolist() == [256, 97, 98, 257, 256, 99, 257]
-    built = build_dataset(["x" * 500], tokenizer, seq_len=8, batch_size=2, rank=0, world_size=1, seed=0)
+    built = PackedDataset(
+        tokenize_corpus(["x" * 500], tokenizer), 8, batch_size=2, rank=0, world_size=1, seed=0
+    )
     inputs, targets = built.next_batch()
     assert inputs.shape == targets.shape == (2, 8) and inputs.dtype == torch.int64
 
@@ -208,3 +205,19 @@ def test_too_small_corpus_says_how_many_tokens() -> None:
     dataset(torch.arange(129), world_size=2).next_batch()
     with pytest.raises(ValueError, match="rank"):
         dataset(torch.arange(1000), rank=2, world_size=2)
+
+
+def test_memory_mapped_tokens_give_the_same_batches(tmp_path: Path) -> None:
+    """Over a uint16 token file, memory-mapped as corpus_tokens gives it, the windows, their order, the
+    int64 batches and a resume are those over the same ids in a tensor."""
+    tokens = torch.randint(0, 258, (10_000,))
+    tokens.numpy().astype(np.uint16).tofile(tmp_path / "tokens.uint16")
+    mapped = np.memmap(tmp_path / "tokens.uint16", dtype=np.uint16, mode="r")
+    in_memory, on_disk = dataset(tokens, rank=1, world_size=2), dataset(mapped, rank=1, world_size=2)
+    for _ in range(in_memory.steps_per_epoch + 2):  # past an epoch boundary
+        for want, got in zip(in_memory.next_batch(), on_disk.next_batch(), strict=True):
+            assert got.dtype == torch.int64 and torch.equal(got, want)
+    resumed = dataset(mapped, rank=1, world_size=2)
+    resumed.load_state_dict(json.loads(json.dumps(on_disk.state_dict())))
+    for _ in range(3):
+        assert torch.equal(resumed.next_batch()[0], in_memory.next_batch()[0])
