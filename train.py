@@ -19,6 +19,7 @@ import logging
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -259,25 +260,33 @@ def save_run_checkpoint(
     Returns rank 0's write error (a full disk) on rank 0; the other ranks learn that there was one."""
     config = OmegaConf.to_container(cfg, resolve=True)  # what the training was told, kept in meta.json
     state = (run_dir, step, model, optimizer, scheduler, dataset.state_dict())
-    error = None
-    try:
+
+    def write() -> None:
         if sharded:
             save_parallel_checkpoint(*state, cfg.checkpoint.keep, config, hf_tokenizer)
         elif distributed.rank() == 0:
             save_checkpoint(*state, keep=cfg.checkpoint.keep, config=config, hf_tokenizer=hf_tokenizer)
-    except CheckpointWriteError as err:
+
+    return rank_0_write_error(write, "save the checkpoint")
+
+
+def rank_0_write_error(write: Callable[[], object], what: str) -> CheckpointWriteError | None:
+    """Run `write` (collective where a sharded model is gathered), then agree on whether it failed (also
+    the barrier that waits for rank 0's write). Returns rank 0's CheckpointWriteError (a full disk) on
+    rank 0, and on the other ranks one saying that rank 0 could not `what`. Any other error is raised
+    on its rank after the agreement, so that no rank is left waiting in it."""
+    error: Exception | None = None
+    try:
+        write()
+    except Exception as err:
         error = err
-    return rank_0_write_error(error, "save the checkpoint")
-
-
-def rank_0_write_error(error: CheckpointWriteError | None, what: str) -> CheckpointWriteError | None:
-    """Rank 0's write error (collective, also the barrier that waits for rank 0's write): its own on rank
-    0; on the other ranks, that there was one (rank 0 could not `what`)."""
     if dist.is_initialized():
         failed = torch.tensor([error is not None], dtype=torch.int32)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
         if failed.item() and error is None:
             error = CheckpointWriteError(f"rank 0 could not {what}")
+    if error is not None and not isinstance(error, CheckpointWriteError):
+        raise error
     return error
 
 
@@ -301,15 +310,14 @@ def export_run(
     (collective: a sharded model is gathered by every rank one tensor at a time, rank 0 writing each as
     it comes). A failed write (a full disk) stops every rank; rank 0 says why and how to export again."""
     out = run_dir / "hf"
-    error = None
-    try:
+
+    def write() -> None:
         if sharded:
             export_parallel_hf(model, out, tokenizer=tokenizer, overwrite=True)
         elif distributed.rank() == 0:
             export_hf(model, args, out, tokenizer=tokenizer, overwrite=True)
-    except CheckpointWriteError as err:
-        error = err
-    error = rank_0_write_error(error, "export the model")
+
+    error = rank_0_write_error(write, "export the model")
     if error is not None:
         # The run is at training.steps: relaunched, it trains nothing and exports.
         why = (

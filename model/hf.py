@@ -318,7 +318,9 @@ def _hf_tensors(weights: WeightStream, args: ModelArgs, dtype: torch.dtype) -> I
     (from a parallel model: gathered)."""
     stream = iter(weights.tensors)
     for name in weights.shapes:
-        tensor = next(stream)
+        tensor = next(stream, None)
+        if tensor is None:
+            raise ValueError(f"the weights to export end before {name}: give a tensor for each name")
         yield hf_tensor(name, tensor, args, dtype)
         del tensor
 
@@ -361,7 +363,9 @@ def export_hf(
     if not isinstance(weights, WeightStream):
         state = weights.state_dict() if isinstance(weights, torch.nn.Module) else weights
         names = [name for name in state if not (args.tie_embeddings and name == "output.weight")]
-        weights = WeightStream({name: tuple(state[name].shape) for name in names}, (state[n] for n in names))
+        # (A checkpoint's LazyTensors knows its shapes from the header: no tensor is read twice.)
+        shapes = state.shapes if isinstance(state, LazyTensors) else {n: tuple(state[n].shape) for n in names}
+        weights = WeightStream({n: tuple(shapes[n]) for n in names}, (state[n] for n in names))
     check_state(weights.shapes, args, "the weights to export do not fit `args`", "pass the model's own args")
     specs = [TensorSpec(hf_name(name), dtype, shape) for name, shape in weights.shapes.items()]
     shards = _shards(specs, max_shard_bytes)
@@ -373,9 +377,24 @@ def export_hf(
     tensors = _hf_tensors(weights, args, dtype)
 
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
+    old = out.with_name(f"{out.name}.old-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
+        # The small files first: one that cannot be written (or a tokenizer's broken JSON) fails the
+        # export before the weights' pass, which gathers a whole sharded model.
+        config = hf_config(args, dtype, tokenizer)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        if isinstance(tokenizer, HFTokenizer):
+            save_tokenizer(tokenizer, tmp)
+        elif isinstance(tokenizer, ByteTokenizer):
+            tokenizer.write_hf_files(tmp)
+        # The source's generation_config.json (its end ids and sampling defaults; read from the
+        # tokenizer's own directory, so that an error names that file) wins over config.json's ids.
+        generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+        source = tokenizer.directory if isinstance(tokenizer, HFTokenizer) else tmp
+        generation.update(read_json(source / "generation_config.json"))
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
         for file, shard in zip(files, shards, strict=True):
             # transformers refuses a safetensors file whose metadata names no framework.
             write_tensors(tmp / file, shard, itertools.islice(tensors, len(shard)), metadata={"format": "pt"})
@@ -385,24 +404,17 @@ def export_hf(
             }
             index = {"metadata": {"total_size": sum(spec.nbytes for spec in specs)}, "weight_map": weight_map}
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        config = hf_config(args, dtype, tokenizer)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        if isinstance(tokenizer, HFTokenizer):
-            save_tokenizer(tokenizer, tmp)
-        elif isinstance(tokenizer, ByteTokenizer):
-            tokenizer.write_hf_files(tmp)
-        # The source's generation_config.json (copied with the tokenizer: its end ids and sampling
-        # defaults) wins over the single ids config.json names.
-        generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
-        generation.update(read_json(tmp / "generation_config.json"))
-        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        # Renames: the old export stays whole until the new one has its name.
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
     except BaseException as err:
         # A full disk or a quota: the partial files would hold space that the next export needs.
         shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not out.exists():
+            os.replace(old, out)
         if isinstance(err, OSError):
             raise CheckpointWriteError(f"cannot export the model to {out}: {err}") from err
         raise
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
     return out

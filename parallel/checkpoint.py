@@ -143,12 +143,15 @@ def _gathered(
 ) -> Iterator[torch.Tensor | None]:
     """Each tensor at its full shape in turn (a collective: every rank, in the same order), cast to
     `dtype` where given (on its device: an export's bf16 crosses to the host at half fp32's bytes) and
-    moved to the CPU before the next is gathered, so a GPU never holds more than one full tensor; None
-    where not `keep` (every rank but the writer takes part in the gathers and keeps nothing)."""
+    moved to the CPU before the next is gathered, so a GPU never holds more than one full tensor (and its
+    cast copy); None where not `keep` (every rank but the writer takes part in the gathers and keeps
+    nothing)."""
     for _, name, t in items:
         full = _full(t, name, state) if name else t.detach()
-        yield full.to(dtype or full.dtype).to("cpu").contiguous() if keep else None
-        del full  # not held while the next is gathered
+        out = full.to(dtype or full.dtype).to("cpu").contiguous() if keep else None
+        del full  # let go on the GPU before the writer takes its time with `out`
+        yield out
+        del out  # not held while the next is gathered
 
 
 def full_model_state(model: nn.Module, keep: bool = True) -> dict[str, torch.Tensor]:

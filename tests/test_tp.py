@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import os
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -541,6 +542,39 @@ def _export_with_a_full_disk(rank: int, world: int, run_dir: str) -> None:
     if rank == 0:  # the earlier export untouched, no partial directory left beside it
         assert files_of(out) == before
         assert [path.name for path in Path(run_dir).iterdir()] == ["hf"]
+    # Another error on rank 0 is raised there once every rank has agreed that the export failed: the
+    # others stop too, none left waiting for rank 0 in the agreement.
+    if rank == 0:
+
+        def broken(path: Path, specs: list, tensors: Iterator, metadata: dict | None = None) -> None:
+            next(iter(tensors))
+            raise ValueError("a broken writer")
+
+        hf.write_tensors = broken
+    with pytest.raises(ValueError if rank == 0 else SystemExit) as stopped:
+        train.export_run(model, model.args, Path(run_dir), ByteTokenizer(), sharded=True)
+    assert "a broken writer" in str(stopped.value) if rank == 0 else stopped.value.code == 1
+    assert full_model_state(model).keys() == full.keys()
+    # The new export takes the old one's name by renames: where that fails, the old export is whole.
+    if rank == 0:
+        hf.write_tensors = write
+        replace = os.replace
+
+        def rename_fails(src: Path, dst: Path) -> None:
+            if Path(src).name.startswith("hf.tmp-"):
+                raise OSError(errno.EBUSY, "Device or resource busy")
+            replace(src, dst)
+
+        hf.os.replace = rename_fails
+        try:
+            with pytest.raises(CheckpointWriteError, match="Device or resource busy"):
+                export_parallel_hf(model, out, max_shard_bytes=EXPORT_SHARD_BYTES, overwrite=True)
+        finally:
+            hf.os.replace = replace
+        assert files_of(out) == before
+        assert [path.name for path in Path(run_dir).iterdir()] == ["hf"]
+    else:
+        assert export_parallel_hf(model, out, max_shard_bytes=EXPORT_SHARD_BYTES, overwrite=True) is None
 
 
 def test_a_failed_parallel_export_raises_on_rank_0_keeps_the_old_export_and_every_rank_goes_on(
