@@ -177,8 +177,9 @@ def apply_activation_checkpointing(model: Llama) -> None:
 
 
 def parallelize_llama(model: Llama, mesh: DeviceMesh, cfg: ParallelizeConfig | None = None) -> Llama:
-    """Apply the layout of `mesh` (dims "dp", "cp", "tp"; parallel/mesh.py) to `model` in place and
-    return it. The model is on the meta device or holds its full weights (identical on every rank)."""
+    """Apply the layout of `mesh` (parallel/mesh.build_mesh's: dims "dp", "cp", "tp", or under HSDP
+    "dp_replicate", "dp_shard", "cp", "tp") to `model` in place and return it. The model is on the meta
+    device or holds its full weights (identical on every rank)."""
     cfg = cfg or ParallelizeConfig()
     tp, cp = mesh["tp"].size(), mesh["cp"].size()
     tp_ctx, shard_dims = None, {}
