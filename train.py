@@ -384,16 +384,23 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
             f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size={args.vocab_size}: "
             "raise model.vocab_size"
         )
-    # Memory-mapped: tokenized once into data.cache_dir (on each node by its LOCAL_RANK 0), then read by
-    # every rank and every later launch. Where from, `tokens_origin`, is logged after the run directory.
-    tokens, tokens_origin = corpus_tokens(
-        cfg.data.path,
-        cfg.data.jsonl_field,
-        tokenizer,
-        cfg.data.cache_dir,
-        args.vocab_size,
-        stop_requested=lambda: stop.signal is not None,
-    )
+    # Memory-mapped: tokenized once into data.cache_dir (by rank 0, and on a node that cannot see its
+    # file by the node's LOCAL_RANK 0), then read by every rank and every later launch. Where from,
+    # `tokens_origin`, is logged after the run directory.
+    try:
+        tokens, tokens_origin = corpus_tokens(
+            cfg.data.path,
+            cfg.data.jsonl_field,
+            tokenizer,
+            cfg.data.cache_dir,
+            args.vocab_size,
+            stop_requested=lambda: stop.signal is not None,
+        )
+    except KeyboardInterrupt:  # a signal while tokenizing: stopped as before the first step
+        if stop.signal is None:
+            raise
+        log.info(f"{stop.signal.name} while tokenizing the corpus: stopping; nothing trained, nothing saved")
+        raise SystemExit(stop.exit_code) from None
     dataset = PackedDataset(
         tokens,
         seq_len=t.seq_len,

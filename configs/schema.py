@@ -87,10 +87,11 @@ class DataConfig:
     jsonl_field: str = "text"
     # Where the corpus' token ids are kept (2 bytes a token, 4 with over 65536 ids), one file per corpus,
     # jsonl_field and tokenizer, named by a hash of them (a corpus file's path, size and modification
-    # time): the first launch tokenizes (under torchrun, LOCAL_RANK 0 of each node; the others wait for
-    # the file), later ones and every rank memory-map the file. None: $XDG_CACHE_HOME/weft/tokens, else
-    # ~/.cache/weft/tokens. Files there can be deleted at any time: a launch rebuilds what it needs (a
-    # build killed outright leaves a <name>.tmp-<host>-<pid> file, never read).
+    # time): the first launch tokenizes (under torchrun, rank 0, then LOCAL_RANK 0 of a node that cannot
+    # see rank 0's file; the other ranks wait), later ones and every rank memory-map the file. None:
+    # $XDG_CACHE_HOME/weft/tokens, else ~/.cache/weft/tokens. Files there can be deleted while no run
+    # reads them: a launch rebuilds what it needs (a build killed outright leaves a
+    # <name>.tmp-<host>-<pid> file, never read).
     cache_dir: str | None = None
 
 

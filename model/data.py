@@ -10,19 +10,21 @@ the epoch's order of windows, not the corpus. A .npy file of token ids is memory
 from __future__ import annotations
 
 import codecs
+import contextlib
 import hashlib
 import itertools
 import json
 import logging
 import os
 import socket
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from model.tokenizer import HFTokenizer, Tokenizer
 
@@ -36,9 +38,10 @@ FORMAT_VERSION = 1
 # What a build holds at once: this many documents, or fewer whose text reaches CHUNK_CHARS characters.
 CHUNK_DOCUMENTS = 1024
 CHUNK_CHARS = 1 << 24
-# Seconds between the progress lines of a build, and of a rank waiting for one.
+# Seconds between the progress lines of a build.
 PROGRESS_S = 30.0
-POLL_S = 0.5
+# How long ranks wait for a build of the token file (a large corpus takes hours).
+BUILD_TIMEOUT = timedelta(days=1)
 # Token ids of a .npy file checked at once (128 MiB of int64).
 CHECK_CHUNK = 1 << 24
 
@@ -91,7 +94,10 @@ def read_documents(path: Path, jsonl_field: str) -> Iterator[str]:
     """A .jsonl file's documents (the `jsonl_field` string of each line), read a line at a time, or a
     text file as one document."""
     if path.suffix not in TEXT_SUFFIXES | {".jsonl"}:
-        raise ValueError(f"{path} is not a {SUFFIXES} file: weft reads UTF-8 text (decompress or rename it)")
+        raise ValueError(
+            f"{path} is not a {SUFFIXES} file: weft reads UTF-8 text (decompress or rename it) or a .npy "
+            "array of token ids"
+        )
     if path.suffix != ".jsonl":
         yield read_text(path)
         return
@@ -140,7 +146,9 @@ def data_files(path: str) -> list[Path]:
         return files
     if root.is_file():
         return [root]
-    raise FileNotFoundError(f"data.path={path} does not exist: give a text/.jsonl file or a directory")
+    raise FileNotFoundError(
+        f"data.path={path} does not exist: give a text/.jsonl file, a directory of them or a .npy file"
+    )
 
 
 def no_text(path: str | None) -> ValueError:
@@ -231,8 +239,8 @@ def corpus_name(path: str | None) -> str:
 
 def unwritable(directory: Path, error: OSError) -> ValueError:
     return ValueError(
-        f"cannot write token files in {directory} ({error.strerror}): set data.cache_dir to a directory "
-        "you can write, with room for the corpus' tokens"
+        f"cannot write token files in {directory} ({error.strerror or error}): set data.cache_dir to a "
+        "directory you can write, with room for the corpus' tokens"
     )
 
 
@@ -267,7 +275,13 @@ def build_token_file(
                 for chunk in chunks(documents):
                     if stop_requested():
                         raise KeyboardInterrupt
-                    ids = tokenize_corpus(chunk, tokenizer).numpy().astype(dtype)
+                    ids = tokenize_corpus(chunk, tokenizer).numpy()
+                    if ids.size and ids.max() > np.iinfo(dtype).max:  # a vocabulary with gaps in its ids
+                        raise ValueError(
+                            f"the tokenizer gave id {ids.max()}, not below its vocab_size "
+                            f"{tokenizer.vocab_size}: give a tokenizer whose ids are below its size"
+                        )
+                    ids = ids.astype(dtype)
                     has_text = has_text or any(chunk)
                     try:
                         ids.tofile(out)  # (written through to the file: nothing left in out's buffer)
@@ -286,34 +300,17 @@ def build_token_file(
                 os.fsync(out.fileno())  # the tokens on disk before the name that says they are complete
             except OSError as error:  # a network file system's full disk shows here
                 raise unwritable(target.parent, error) from None
-        os.replace(temp, target)
-    except BaseException:
+        # A link, not a rename: where another builder (another node on a shared file system) got there
+        # first, its file stays, and the ranks that already map it keep a file that exists.
+        with contextlib.suppress(FileExistsError):
+            os.link(temp, target)
+    finally:
         temp.unlink(missing_ok=True)
-        raise
     seconds = time.monotonic() - start
     return (
         f"tokenized {corpus_name(path)} into {target}: {tokens:,} tokens in {seconds:.2f} s "
         f"({tokens / seconds / 1e6:.2f}M tokens/s)"
     )
-
-
-def wait_for(target: Path, stop_requested: Callable[[], bool]) -> None:
-    """Sleep until `target` exists, saying every PROGRESS_S seconds what this rank waits for (on
-    stderr: ranks other than 0 log nothing)."""
-    start = shown = time.monotonic()
-    while not target.exists():
-        if stop_requested():
-            raise KeyboardInterrupt
-        time.sleep(POLL_S)
-        if time.monotonic() - shown >= PROGRESS_S:
-            shown = time.monotonic()
-            rank = os.environ.get("RANK", "0")
-            print(
-                f"[rank {rank}] waiting ({shown - start:.0f} s) for LOCAL_RANK 0 to tokenize the corpus "
-                f"into {target}",
-                file=sys.stderr,
-                flush=True,
-            )
 
 
 def read_token_file(target: Path, dtype: np.dtype) -> np.ndarray:
@@ -336,7 +333,7 @@ def pretokenized(path: str, vocab_size: int) -> np.ndarray:
         raise ValueError(
             f"data.path={path} holds an array of shape {tokens.shape}: give a 1-D array of token ids"
         )
-    if not np.issubdtype(tokens.dtype, np.integer):
+    if tokens.dtype.kind not in "iu":  # (np.integer would let timedelta64 through)
         raise ValueError(f"data.path={path} holds {tokens.dtype} values: give integer token ids")
     for first in range(0, tokens.size, CHECK_CHUNK):
         part = tokens[first : first + CHECK_CHUNK]
@@ -361,10 +358,12 @@ def corpus_tokens(
 
     A .npy file's ids are read as they are (checked against vocab_size, the model's); any other corpus
     is tokenize_corpus(load_documents(path, jsonl_field), tokenizer), read from its token file under
-    cache_dir (None: default_cache_dir()). A missing token file is built by the process of LOCAL_RANK 0
-    (one per node, set by torchrun; a lone process has none, and builds) while the node's other ranks
-    wait for it to appear: a collective would time out during a long build. A signal (`stop_requested`)
-    ends a build or a wait with KeyboardInterrupt."""
+    cache_dir (None: default_cache_dir()), built first where it is missing. Under torch.distributed
+    every rank reads the file rank 0 names (the ranks' keys could differ if a corpus file changed
+    between their looks), which rank 0 builds; then the first rank of each node (LOCAL_RANK 0) that
+    still cannot see it (a cache on the node's own disk) builds it there. The others wait in barriers
+    of a gloo group whose timeout outlasts a build (the default group's would end a long one). A signal
+    (`stop_requested`) ends a build with KeyboardInterrupt."""
     if path is not None and Path(path).suffix == ".npy" and Path(path).is_file():
         tokens = pretokenized(path, vocab_size)
         return tokens, f"data.path={path}: {tokens.size:,} token ids"
@@ -372,14 +371,27 @@ def corpus_tokens(
         raise ValueError("data.cache_dir is empty: give a directory, or null")
     files = None if path is None else data_files(path)
     dtype = token_dtype(tokenizer)
-    directory = default_cache_dir() if cache_dir is None else Path(cache_dir)
+    directory = default_cache_dir() if cache_dir is None else Path(cache_dir).expanduser()
     target = directory / f"{cache_key(files, jsonl_field, tokenizer)}.{dtype.name}"
-    built = None
-    if not target.exists():
-        if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            built = build_token_file(target, path, files, jsonl_field, tokenizer, stop_requested)
-        else:
-            wait_for(target, stop_requested)
+
+    def build() -> str | None:
+        if target.exists():
+            return None
+        return build_token_file(target, path, files, jsonl_field, tokenizer, stop_requested)
+
+    if not dist.is_initialized():
+        built = build()
+    else:
+        group = dist.new_group(backend="gloo", timeout=BUILD_TIMEOUT)
+        named = [str(target)]
+        dist.broadcast_object_list(named, src=0, group=group)
+        target = Path(named[0])
+        built = build() if dist.get_rank() == 0 else None
+        dist.barrier(group=group)
+        if built is None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+            built = build()
+        dist.barrier(group=group)
+        dist.destroy_process_group(group)
     tokens = read_token_file(target, dtype)
     return tokens, built or f"{corpus_name(path)}: {tokens.size:,} tokens from {target}"
 

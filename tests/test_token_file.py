@@ -5,10 +5,6 @@ trusted file from a failed build; ranks that wait for another process's build; .
 import json
 import logging
 import os
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +14,7 @@ import torch
 from model import data
 from model.data import PackedDataset, cache_key, corpus_tokens, load_documents, tokenize_corpus
 from model.tokenizer import ByteTokenizer, HFTokenizer
+from tests.multiprocess import run_ranks
 from tests.test_tokenizer import write_hf_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -207,52 +204,24 @@ def test_default_cache_dir_follows_xdg_cache_home(tmp_path: Path, monkeypatch: p
     assert data.default_cache_dir() == tmp_path / "home" / ".cache" / "weft" / "tokens"
 
 
-BUILD = """
-import sys, time
-from model.data import corpus_tokens
-from model.tokenizer import ByteTokenizer
-time.sleep(1)
-print(len(corpus_tokens(sys.argv[1], "text", ByteTokenizer(), sys.argv[2], 258)[0]))
-"""
+def _ranks_read_rank_0s_file(rank: int, world: int, corpus: str, cache: str) -> None:
+    os.environ["LOCAL_RANK"] = str(rank)  # one node
+    built = []
+    data.build_token_file = lambda *args, build=data.build_token_file: built.append(1) or build(*args)
+    if rank == 1:  # this rank's look at the corpus gives another key (a file changed in between)
+        data.cache_key = lambda *args: "another-key"
+    tokens, origin = corpus_tokens(corpus, "text", ByteTokenizer(), cache, 258)
+    (file,) = Path(cache).iterdir()
+    assert built == ([1] if rank == 0 else [])
+    assert origin.startswith("tokenized" if rank == 0 else f"data.path={corpus}: ") and str(file) in origin
+    assert np.array_equal(tokens, tokenize_corpus(load_documents(corpus), ByteTokenizer()))
 
 
-def test_a_rank_waits_for_the_build_of_local_rank_0(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
-) -> None:
-    """LOCAL_RANK 1 builds nothing: it polls until another process (LOCAL_RANK 0) renames the file into
-    place, saying what it waits for, then maps that file."""
+def test_ranks_read_the_file_rank_0_names_and_builds(tmp_path: Path) -> None:
+    """Under torch.distributed rank 0 names the file and builds it while the others wait in a barrier
+    (of a gloo group with a long timeout); a rank whose own key differs still reads rank 0's file."""
     write_corpus(tmp_path / "corpus")
-    monkeypatch.setattr(data, "POLL_S", 0.05)
-    monkeypatch.setattr(data, "PROGRESS_S", 0.2)
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setenv("RANK", "1")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "LOCAL_RANK": "0", "RANK": "0"}
-    builder = subprocess.Popen(
-        [sys.executable, "-c", BUILD, str(tmp_path / "corpus"), str(tmp_path / "cache")],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    tokens = cached(tmp_path / "corpus", ByteTokenizer(), tmp_path / "cache")
-    assert builder.wait(timeout=120) == 0 and int(builder.stdout.read()) == len(tokens)
-    assert np.array_equal(tokens, tokenize_corpus(load_documents(str(tmp_path / "corpus")), ByteTokenizer()))
-    (file,) = (tmp_path / "cache").iterdir()
-    assert (
-        f"[rank 1] waiting (0 s) for LOCAL_RANK 0 to tokenize the corpus into {file}\n"
-        in capsys.readouterr().err
-    )
-
-
-def test_a_signal_ends_the_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    (tmp_path / "a.txt").write_text("text")
-    monkeypatch.setenv("LOCAL_RANK", "3")
-    signalled = threading.Event()
-    threading.Timer(0.3, signalled.set).start()
-    start = time.monotonic()
-    with pytest.raises(KeyboardInterrupt):
-        cached(tmp_path / "a.txt", ByteTokenizer(), tmp_path / "cache", stop_requested=signalled.is_set)
-    assert time.monotonic() - start < 5 and not (tmp_path / "cache").exists()
+    run_ranks(_ranks_read_rank_0s_file, 2, str(tmp_path / "corpus"), str(tmp_path / "cache"))
 
 
 def test_npy_token_ids_are_mapped_as_they_are(tmp_path: Path) -> None:
@@ -295,4 +264,20 @@ def test_an_npz_archive_is_refused(tmp_path: Path) -> None:
     np.savez(tmp_path / "ids.npz", ids=np.arange(10))
     (tmp_path / "ids.npz").rename(tmp_path / "ids.npy")
     with pytest.raises(ValueError, match=r"ids\.npy is a \.npz archive: give one array of token ids"):
+        corpus_tokens(str(tmp_path / "ids.npy"), "text", ByteTokenizer(), None, 264)
+
+
+def test_ids_past_the_token_files_dtype_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dtype comes from the tokenizer's vocab_size; an id past it (a vocabulary with gaps) would wrap
+    around in the cast, so the build refuses it (here: the byte tokenizer's BOS 256 in one byte)."""
+    (tmp_path / "a.txt").write_text("text")
+    monkeypatch.setattr(data, "token_dtype", lambda tokenizer: np.dtype(np.uint8))
+    with pytest.raises(ValueError, match="the tokenizer gave id 257, not below its vocab_size 258: give"):
+        cached(tmp_path / "a.txt", ByteTokenizer(), tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+def test_timedelta_npy_is_refused(tmp_path: Path) -> None:
+    np.save(tmp_path / "ids.npy", np.arange(10).astype("m8[s]"))
+    with pytest.raises(ValueError, match=r"holds timedelta64.* values: give integer token ids"):
         corpus_tokens(str(tmp_path / "ids.npy"), "text", ByteTokenizer(), None, 264)
