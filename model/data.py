@@ -10,7 +10,6 @@ the epoch's order of windows, not the corpus. A .npy file of token ids is memory
 from __future__ import annotations
 
 import codecs
-import contextlib
 import hashlib
 import itertools
 import json
@@ -302,8 +301,12 @@ def build_token_file(
                 raise unwritable(target.parent, error) from None
         # A link, not a rename: where another builder (another node on a shared file system) got there
         # first, its file stays, and the ranks that already map it keep a file that exists.
-        with contextlib.suppress(FileExistsError):
+        try:
             os.link(temp, target)
+        except FileExistsError:
+            pass
+        except OSError:  # a file system without hard links
+            os.replace(temp, target)
     finally:
         temp.unlink(missing_ok=True)
     seconds = time.monotonic() - start
