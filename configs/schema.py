@@ -91,7 +91,7 @@ class DataConfig:
     # see rank 0's file; the other ranks wait), later ones and every rank memory-map the file. None:
     # $XDG_CACHE_HOME/weft/tokens, else ~/.cache/weft/tokens. Files there can be deleted while no run
     # reads them: a launch rebuilds what it needs (a build killed outright leaves a
-    # <name>.tmp-<host>-<pid> file, never read).
+    # <name>.tmp-<host>-<pid> file, never read, which the next build on that host deletes).
     cache_dir: str | None = None
 
 

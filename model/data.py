@@ -43,6 +43,9 @@ PROGRESS_S = 30.0
 BUILD_TIMEOUT = timedelta(days=1)
 # Token ids of a .npy file checked at once (128 MiB of int64).
 CHECK_CHUNK = 1 << 24
+# A build's temporary file untouched this long, whose process on this host is gone, was left by a
+# killed build (a running one writes a chunk every few seconds).
+STALE_BUILD_S = 600.0
 
 
 def default_corpus() -> list[str]:
@@ -243,6 +246,31 @@ def unwritable(directory: Path, error: OSError) -> ValueError:
     )
 
 
+def process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_builds(directory: Path) -> None:
+    """Delete the temporary files that builds on this host killed outright (SIGKILL, a lost node) left in
+    `directory`: their process is gone and they have not been written for STALE_BUILD_S (a process of
+    the same host name in another PID namespace is still writing its file)."""
+    host = socket.gethostname()
+    for temp in directory.glob(f"*.tmp-{host}-*"):
+        pid = temp.name.rsplit("-", 1)[1]
+        try:
+            idle = time.time() - temp.stat().st_mtime
+            if pid.isdigit() and not process_exists(int(pid)) and idle > STALE_BUILD_S:
+                temp.unlink()
+        except OSError:  # gone already (another rank's cleanup), or not ours to delete
+            pass
+
+
 def build_token_file(
     target: Path,
     path: str | None,
@@ -268,6 +296,7 @@ def build_token_file(
         out = temp.open("wb")
     except OSError as error:
         raise unwritable(target.parent, error) from None
+    remove_stale_builds(target.parent)
     try:
         with out:
             for done, documents in enumerate(sources):

@@ -5,6 +5,10 @@ trusted file from a failed build; ranks that wait for another process's build; .
 import json
 import logging
 import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -156,6 +160,34 @@ def test_a_failed_build_leaves_no_file(tmp_path: Path, monkeypatch: pytest.Monke
     tokens = cached(tmp_path / "corpus", ByteTokenizer(), tmp_path / "cache")
     assert np.array_equal(tokens, tokenize_corpus(load_documents(str(tmp_path / "corpus")), ByteTokenizer()))
     assert (tmp_path / "cache" / name).is_file()
+
+
+def test_a_build_deletes_what_killed_builds_on_its_host_left(tmp_path: Path) -> None:
+    """A build removes temporary files whose process on this host is gone and that nobody has written
+    for STALE_BUILD_S; a live process's file, a recently written one and other hosts' files stay."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    host = socket.gethostname()
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    old = time.time() - data.STALE_BUILD_S - 60
+
+    def temp(name: str, pid: int, mtime: float) -> Path:
+        path = cache / f"{name}.tmp-{host}-{pid}"
+        path.write_bytes(b"\x01\x00")
+        os.utime(path, (mtime, mtime))
+        return path
+
+    killed = temp("other_corpus.uint16", ended.pid, old)
+    fresh = temp("third_corpus.uint16", ended.pid, time.time())
+    running = temp("fourth_corpus.uint16", os.getpid(), old)
+    elsewhere = cache / f"other_corpus.uint16.tmp-otherhost-{ended.pid}"
+    elsewhere.write_bytes(b"\x01\x00")
+    os.utime(elsewhere, (old, old))
+    write_corpus(tmp_path / "corpus")
+    cached(tmp_path / "corpus", ByteTokenizer(), cache)
+    assert not killed.exists()
+    assert fresh.exists() and running.exists() and elsewhere.exists()
 
 
 def test_corpus_errors_are_those_of_load_documents(tmp_path: Path) -> None:
