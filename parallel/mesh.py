@@ -209,5 +209,8 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
         return mesh["dp", "cp"]._flatten("dp_cp")
     if mesh["cp"].size() == 1:
         return mesh["dp_replicate", "dp_shard"]
-    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    return mesh["dp_replicate", "dp_shard_cp"]
+    # torch deprecates slicing a flattened dim out of the root mesh: flatten the three data dims
+    # (consecutive, replicas outermost) and split them again as (replicas, the rest).
+    data = mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_all")
+    replicas = mesh["dp_replicate"].size()
+    return data._unflatten(0, (replicas, data.size() // replicas), ("dp_replicate", "dp_shard_cp"))
