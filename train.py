@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
+import numpy as np
 import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
@@ -33,7 +34,7 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from configs.launch import command_line_overrides, launch, user_errors
-from configs.schema import TrainConfig
+from configs.schema import TrainConfig, TrainingConfig
 from configs.validate import check_shape_overrides, validate_train_config
 from model.args import ModelArgs
 from model.checkpoint import CheckpointWriteError, load_checkpoint, load_newest_intact, save_checkpoint
@@ -59,6 +60,7 @@ from parallel.parallelize import (
     clip_grad_norm_,
     parallelize_llama,
 )
+from training.evaluate import HeldOutLoss
 from training.interrupt import StopRequest
 from training.metrics import MetricsLog, require_tensorboard
 from training.records import (
@@ -329,6 +331,36 @@ def export_run(
         log.info(f"exported a Hugging Face model to {out}")
 
 
+def due(step: int, every: int, training: TrainingConfig) -> bool:
+    """Whether a periodic action (every `every` steps, 0: only at the end) comes at `step`: at its
+    multiples, and at the launch's last step (training.steps or training.stop_at)."""
+    return step in (training.steps, training.stop_at) or (every > 0 and step % every == 0)
+
+
+def read_corpus(
+    key: str, path: str | None, cfg: TrainConfig, tokenizer: Tokenizer, vocab_size: int, stop: StopRequest
+) -> tuple[np.ndarray, str]:
+    """The token ids of `path` (the corpus of the config key `key`: data.path or eval.path), memory-mapped:
+    tokenized once into data.cache_dir (by rank 0, and on a node that cannot see its file by the node's
+    LOCAL_RANK 0), then read by every rank and every later launch; and a line on where they come from.
+    A signal while tokenizing stops the launch as before the first step."""
+    try:
+        return corpus_tokens(
+            path,
+            cfg.data.jsonl_field,
+            tokenizer,
+            cfg.data.cache_dir,
+            vocab_size,
+            stop_requested=lambda: stop.signal is not None,
+            key=key,
+        )
+    except KeyboardInterrupt:
+        if stop.signal is None:
+            raise
+        log.info(f"{stop.signal.name} while tokenizing the corpus: stopping; nothing trained, nothing saved")
+        raise SystemExit(stop.exit_code) from None
+
+
 def step_record(stats: StepStats, step: int, device: torch.device, peak: float | None, flops: float) -> dict:
     """A metrics.jsonl line (and the progress bar's figures) for a step; `flops` per token."""
     record = {
@@ -384,23 +416,8 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
             f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size={args.vocab_size}: "
             "raise model.vocab_size"
         )
-    # Memory-mapped: tokenized once into data.cache_dir (by rank 0, and on a node that cannot see its
-    # file by the node's LOCAL_RANK 0), then read by every rank and every later launch. Where from,
-    # `tokens_origin`, is logged after the run directory.
-    try:
-        tokens, tokens_origin = corpus_tokens(
-            cfg.data.path,
-            cfg.data.jsonl_field,
-            tokenizer,
-            cfg.data.cache_dir,
-            args.vocab_size,
-            stop_requested=lambda: stop.signal is not None,
-        )
-    except KeyboardInterrupt:  # a signal while tokenizing: stopped as before the first step
-        if stop.signal is None:
-            raise
-        log.info(f"{stop.signal.name} while tokenizing the corpus: stopping; nothing trained, nothing saved")
-        raise SystemExit(stop.exit_code) from None
+    # Where the tokens come from, `tokens_origin`, is logged after the run directory.
+    tokens, tokens_origin = read_corpus("data.path", cfg.data.path, cfg, tokenizer, args.vocab_size, stop)
     dataset = PackedDataset(
         tokens,
         seq_len=t.seq_len,
@@ -409,6 +426,12 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
         world_size=dp_size,
         seed=t.seed,
     )
+    held_out, held_out_origin = None, ""
+    if cfg.eval.path is not None:
+        held_out_tokens, held_out_origin = read_corpus(
+            "eval.path", cfg.eval.path, cfg, tokenizer, args.vocab_size, stop
+        )
+        held_out = HeldOutLoss(held_out_tokens, cfg, dp_rank, dp_size, cfg.eval.path)
 
     autocast_dtype = getattr(torch, t.dtype) if device.type == "cuda" and t.dtype != "float32" else None
     with torch.device("meta"):
@@ -470,6 +493,12 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
         )
         log.info(f"model {args.name}: {args.num_params() / 1e6:.1f}M parameters on {device} x{world}{layout}")
         log.info(tokens_origin)
+        if held_out is not None:
+            log.info(held_out_origin)
+            when = f"every {cfg.eval.every} steps and at the last" if cfg.eval.every else "at the last step"
+            log.info(f"held-out loss {when}, over {held_out.batches} batches ({held_out.tokens:,} tokens)")
+            if cfg.data.path is not None and Path(cfg.data.path).resolve() == Path(cfg.eval.path).resolve():
+                log.warning("warning: eval.path is data.path: its loss is measured on the training data")
         if isinstance(tokenizer, HFTokenizer) and not marks_document_boundaries(tokenizer):
             log.warning(
                 f"warning: the tokenizer in {shown(tokenizer.directory)} names no begin- or end-of-text "
@@ -523,14 +552,18 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
             interrupted = stop.agreed() and step < t.steps  # the same answer on every rank
             last_of_launch = interrupted or step in (t.steps, t.stop_at)
             record = step_record(stats, step, device, peak, flops_per_token)
+            # Not on a signal's stop: torchrun gives the ranks 30 s to save and exit.
+            evaluate = held_out is not None and not interrupted and due(step, cfg.eval.every, t)
+            if evaluate:
+                record["eval_loss"] = round(held_out(model, device, autocast_dtype, cp_chunk), 5)
             bar.update(1)
             bar.set_postfix(
                 {k: v for k, v in record.items() if k in ("loss", "tokens_per_s", "memory_gb", "mfu")}
             )
-            if metrics is not None and (step % cfg.logging.every == 0 or step == 1 or last_of_launch):
+            logged = step % cfg.logging.every == 0 or step == 1 or last_of_launch or evaluate
+            if metrics is not None and logged:
                 metrics.write(record)
-            every = cfg.checkpoint.every
-            if last_of_launch or (every > 0 and step % every == 0):
+            if last_of_launch or due(step, cfg.checkpoint.every, t):
                 sharded_save = mesh is not None
                 error = save_run_checkpoint(
                     run_dir, step, model, optimizer, scheduler, dataset, cfg, sharded_save, hf_tokenizer
@@ -547,6 +580,8 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
     if rank == 0:
         why = f"{stop.signal.name}: " if interrupted else ""
         last = f"last loss {record['loss']:.4f}"  # as the step's line rounds it
+        if "eval_loss" in record:
+            last += f", held-out loss {record['eval_loss']:.4f}"
         log.info(f"{why}stopped at step {step}, {last}; run directory {shown(run_dir)}")
         if step < t.steps:
             log.info(f"checkpoint of step {step} saved; resume with: {launch_resume_command(run_dir)}")

@@ -3,9 +3,9 @@
     python -m benchmarks.plot_metrics runs/train/2026-11-25_12-00-00 --out curves.png
     python -m benchmarks.plot_metrics runs/a runs/b --out compare.png     # one colour per run
 
-Four panels against the step, from each run's metrics.jsonl: training loss, learning rate, tokens/s
-(all ranks together) and MFU. MFU is recorded on GPUs whose peak is known (train.py's
-PEAK_BF16_FLOPS); for runs without it the panel says so.
+Four panels against the step, from each run's metrics.jsonl: training loss (and the held-out loss of
+runs with eval.path, dashed), learning rate, tokens/s (all ranks together) and MFU. MFU is recorded on
+GPUs whose peak is known (train.py's PEAK_BF16_FLOPS); for runs without it the panel says so.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from benchmarks.common import pyplot
 from training.metrics import read_metrics
 
-PANELS = (("loss", "training loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU"))
+PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU"))
 
 
 def plot_runs(run_dirs: list[Path], out: Path) -> Path:
@@ -34,6 +34,15 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
             if points:
                 ax.plot(*zip(*points, strict=True), color=f"C{i}", label=name, linewidth=1.2)
                 drawn = True
+            held_out = [(row["step"], row["eval_loss"]) for row in rows if "eval_loss" in row]
+            if key == "loss" and held_out:
+                ax.plot(
+                    *zip(*held_out, strict=True),
+                    "o--",
+                    color=f"C{i}",
+                    label=f"{name} (held-out)",
+                    markersize=3,
+                )
         if not drawn:
             ax.text(
                 0.5,

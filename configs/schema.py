@@ -108,6 +108,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class EvalConfig:
+    # A held-out corpus, in any form data.path takes (tokenized into data.cache_dir alike), whose loss
+    # per token is measured without training on it: every `every` steps and at the launch's last step
+    # (training.steps or training.stop_at), logged as eval_loss beside that step's numbers. None: no
+    # evaluation.
+    path: str | None = None
+    # Evaluate every N optimizer steps; 0: only at the last step.
+    every: int = 100
+    # Batches of training.batch_size x training.seq_len tokens per data-parallel rank in each evaluation:
+    # the same windows of the held-out corpus every time, drawn in an order that training.seed does not
+    # change; fewer where the corpus holds fewer. None: the whole corpus.
+    batches: int | None = 16
+
+
+@dataclass
 class LoggingConfig:
     # Log metrics every N optimizer steps (metrics.jsonl, a line in train.log and on the console).
     every: int = 10
@@ -124,6 +139,7 @@ class TrainConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     # auto | cpu | cuda
     device: str = "auto"

@@ -169,6 +169,12 @@ def validate_train_config(cfg: TrainConfig) -> None:
         path_or_null("checkpoint.init_from", ckpt.init_from),
         at_least("checkpoint.every", ckpt.every, 0),
         at_least("checkpoint.keep", ckpt.keep, 1),
+        path_or_null("eval.path", cfg.eval.path),
+        at_least("eval.every", cfg.eval.every, 0),
+        (
+            cfg.eval.batches is None or cfg.eval.batches >= 1,
+            f"eval.batches={cfg.eval.batches} must be >= 1 (or null: the whole held-out corpus)",
+        ),
         at_least("logging.every", cfg.logging.every, 1),
     ]
     raise_first_failure(checks)

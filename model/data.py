@@ -138,23 +138,24 @@ def corpus_files(root: Path) -> list[Path]:
     return sorted(file for file in files if file.is_file())
 
 
-def data_files(path: str) -> list[Path]:
-    """The files data.path names: itself, or a directory's text and .jsonl files (in sorted order)."""
+def data_files(path: str, key: str = "data.path") -> list[Path]:
+    """The files `path` names (the config key `key`'s value): itself, or a directory's text and .jsonl
+    files (in sorted order)."""
     root = Path(path)
     if root.is_dir():
         files = corpus_files(root)
         if not files:
-            raise FileNotFoundError(f"data.path={path} holds no {SUFFIXES} files")
+            raise FileNotFoundError(f"{key}={path} holds no {SUFFIXES} files")
         return files
     if root.is_file():
         return [root]
     raise FileNotFoundError(
-        f"data.path={path} does not exist: give a text/.jsonl file, a directory of them or a .npy file"
+        f"{key}={path} does not exist: give a text/.jsonl file, a directory of them or a .npy file"
     )
 
 
-def no_text(path: str | None) -> ValueError:
-    return ValueError(f"data.path={path} holds no text: give a corpus")
+def no_text(path: str | None, key: str = "data.path") -> ValueError:
+    return ValueError(f"{key}={path} holds no text: give a corpus")
 
 
 def load_documents(path: str | None, jsonl_field: str = "text") -> list[str]:
@@ -235,8 +236,8 @@ def chunks(documents: Iterable[str]) -> Iterator[list[str]]:
         yield chunk
 
 
-def corpus_name(path: str | None) -> str:
-    return "Python's documentation topics" if path is None else f"data.path={path}"
+def corpus_name(path: str | None, key: str) -> str:
+    return "Python's documentation topics" if path is None else f"{key}={path}"
 
 
 def unwritable(directory: Path, error: OSError) -> ValueError:
@@ -278,6 +279,7 @@ def build_token_file(
     jsonl_field: str,
     tokenizer: Tokenizer,
     stop_requested: Callable[[], bool],
+    key: str,
 ) -> str:
     """Write the corpus' tokens (tokenize_corpus(load_documents(path, jsonl_field)) as token_dtype) to
     `target`, a file at a time and a chunk of documents at a time, logging progress every PROGRESS_S
@@ -319,11 +321,11 @@ def build_token_file(
                     if time.monotonic() - shown >= PROGRESS_S:
                         shown = time.monotonic()
                         log.info(
-                            f"tokenizing {corpus_name(path)} into {target}: {done} of {count} files done, "
-                            f"{tokens:,} tokens ({shown - start:.0f} s)"
+                            f"tokenizing {corpus_name(path, key)} into {target}: {done} of {count} files "
+                            f"done, {tokens:,} tokens ({shown - start:.0f} s)"
                         )
             if not has_text:
-                raise no_text(path)
+                raise no_text(path, key)
             try:
                 os.fsync(out.fileno())  # the tokens on disk before the name that says they are complete
             except OSError as error:  # a network file system's full disk shows here
@@ -340,7 +342,7 @@ def build_token_file(
         temp.unlink(missing_ok=True)
     seconds = time.monotonic() - start
     return (
-        f"tokenized {corpus_name(path)} into {target}: {tokens:,} tokens in {seconds:.2f} s "
+        f"tokenized {corpus_name(path, key)} into {target}: {tokens:,} tokens in {seconds:.2f} s "
         f"({tokens / seconds / 1e6:.2f}M tokens/s)"
     )
 
@@ -350,29 +352,27 @@ def read_token_file(target: Path, dtype: np.dtype) -> np.ndarray:
     return np.memmap(target, dtype=dtype, mode="r") if target.stat().st_size else np.zeros(0, dtype)
 
 
-def pretokenized(path: str, vocab_size: int) -> np.ndarray:
+def pretokenized(path: str, vocab_size: int, key: str) -> np.ndarray:
     """A .npy file's 1-D array of integer token ids, memory-mapped, each id checked to be below
     vocab_size (the model's: its embedding has a row for each)."""
     try:
         tokens = np.load(path, mmap_mode="r")
     except ValueError as error:  # an object array (pickled), or no .npy header
-        raise ValueError(f"data.path={path} is not a .npy array of token ids ({error})") from None
+        raise ValueError(f"{key}={path} is not a .npy array of token ids ({error})") from None
     if not isinstance(tokens, np.ndarray):
-        raise ValueError(
-            f"data.path={path} is a .npz archive: give one array of token ids, saved by numpy.save"
-        )
+        raise ValueError(f"{key}={path} is a .npz archive: give one array of token ids, saved by numpy.save")
     if tokens.ndim != 1:
         raise ValueError(
-            f"data.path={path} holds an array of shape {tokens.shape}: give a 1-D array of token ids"
+            f"{key}={path} holds an array of shape {tokens.shape}: give a 1-D array of token ids"
         )
     if tokens.dtype.kind not in "iu":  # (np.integer would let timedelta64 through)
-        raise ValueError(f"data.path={path} holds {tokens.dtype} values: give integer token ids")
+        raise ValueError(f"{key}={path} holds {tokens.dtype} values: give integer token ids")
     for first in range(0, tokens.size, CHECK_CHUNK):
         part = tokens[first : first + CHECK_CHUNK]
         low, high = int(part.min()), int(part.max())
         if low < 0 or high >= vocab_size:
             raise ValueError(
-                f"data.path={path} holds token id {low if low < 0 else high}, outside the model's "
+                f"{key}={path} holds token id {low if low < 0 else high}, outside the model's "
                 f"{vocab_size} ids: give ids of the model's tokenizer, or raise model.vocab_size"
             )
     return tokens
@@ -385,6 +385,7 @@ def corpus_tokens(
     cache_dir: str | None,
     vocab_size: int,
     stop_requested: Callable[[], bool] = lambda: False,
+    key: str = "data.path",
 ) -> tuple[np.ndarray, str]:
     """The corpus' token ids, memory-mapped, and a line for the run's log on where they come from.
 
@@ -395,13 +396,13 @@ def corpus_tokens(
     between their looks), which rank 0 builds; then the first rank of each node (LOCAL_RANK 0) that
     still cannot see it (a cache on the node's own disk) builds it there. The others wait in barriers
     of a gloo group whose timeout outlasts a build (the default group's would end a long one). A signal
-    (`stop_requested`) ends a build with KeyboardInterrupt."""
+    (`stop_requested`) ends a build with KeyboardInterrupt. Messages name `path` as the config key `key`."""
     if path is not None and Path(path).suffix == ".npy" and Path(path).is_file():
-        tokens = pretokenized(path, vocab_size)
-        return tokens, f"data.path={path}: {tokens.size:,} token ids"
+        tokens = pretokenized(path, vocab_size, key)
+        return tokens, f"{key}={path}: {tokens.size:,} token ids"
     if cache_dir is not None and not cache_dir.strip():
         raise ValueError("data.cache_dir is empty: give a directory, or null")
-    files = None if path is None else data_files(path)
+    files = None if path is None else data_files(path, key)
     dtype = token_dtype(tokenizer)
     directory = default_cache_dir() if cache_dir is None else Path(cache_dir).expanduser()
     target = directory / f"{cache_key(files, jsonl_field, tokenizer)}.{dtype.name}"
@@ -409,7 +410,7 @@ def corpus_tokens(
     def build() -> str | None:
         if target.exists():
             return None
-        return build_token_file(target, path, files, jsonl_field, tokenizer, stop_requested)
+        return build_token_file(target, path, files, jsonl_field, tokenizer, stop_requested, key)
 
     if not dist.is_initialized():
         built = build()
@@ -425,7 +426,7 @@ def corpus_tokens(
         dist.barrier(group=group)
         dist.destroy_process_group(group)
     tokens = read_token_file(target, dtype)
-    return tokens, built or f"{corpus_name(path)}: {tokens.size:,} tokens from {target}"
+    return tokens, built or f"{corpus_name(path, key)}: {tokens.size:,} tokens from {target}"
 
 
 class PackedDataset:

@@ -89,6 +89,9 @@ def test_config_errors_name_the_valid_choices(overrides: list[str], message: str
         ("checkpoint.init_from=", "checkpoint.init_from is empty: give a path, or null"),
         ("checkpoint.every=-1", "checkpoint.every=-1 must be >= 0"),
         ("checkpoint.keep=0", "checkpoint.keep=0 must be >= 1"),
+        ("eval.path=", "eval.path is empty: give a path, or null"),
+        ("eval.every=-1", "eval.every=-1 must be >= 0"),
+        ("eval.batches=0", "eval.batches=0 must be >= 1 (or null: the whole held-out corpus)"),
         ("logging.every=0", "logging.every=0 must be >= 1"),
     ],
 )

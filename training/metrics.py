@@ -61,6 +61,8 @@ def step_line(record: dict[str, Any], total_steps: int) -> str:
         f"grad_norm {record['grad_norm']:.3f}",
         f"tokens/s {record['tokens_per_s']:.0f}",
     ]
+    if "eval_loss" in record:
+        parts.insert(2, f"eval_loss {record['eval_loss']:.4f}")
     if "memory_gb" in record:
         parts.append(f"memory {record['memory_gb']:.2f} GB")
     if "mfu" in record:
@@ -89,7 +91,8 @@ class MetricsLog:
         if self.tensorboard is not None:
             for name, value in record.items():
                 if name != "step":
-                    self.tensorboard.add_scalar(f"train/{name}", value, record["step"])
+                    tag = "eval/loss" if name == "eval_loss" else f"train/{name}"
+                    self.tensorboard.add_scalar(tag, value, record["step"])
             self.tensorboard.flush()
 
     def __enter__(self) -> MetricsLog:
