@@ -63,6 +63,7 @@ from parallel.parallelize import (
 from training.evaluate import HeldOutLoss
 from training.interrupt import StopRequest
 from training.metrics import MetricsLog, require_tensorboard
+from training.profile import StepProfiler
 from training.records import (
     LaunchRecord,
     RunDirectoryInUse,
@@ -521,6 +522,7 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
     bar = tqdm(total=t.steps, initial=start_step, disable=not show_bar, dynamic_ncols=True)
     last_saved = start_step
     step = start_step
+    profiler = StepProfiler(run_dir, cfg.logging.profile_at, cfg.logging.profile_steps, rank, device)
     interrupted = False
     # While the bar is drawn, log lines are printed above it.
     redirect = logging_redirect_tqdm() if show_bar else contextlib.nullcontext()
@@ -531,6 +533,7 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
     stop.training_started()
     with bar, metrics or contextlib.nullcontext(), redirect:
         for step in range(start_step + 1, t.steps + 1):
+            profiler.begin(step)
             try:
                 stats = train_step(
                     train_model,
@@ -551,6 +554,7 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
             launch_record.trained = True
             interrupted = stop.agreed() and step < t.steps  # the same answer on every rank
             last_of_launch = interrupted or step in (t.steps, t.stop_at)
+            profiler.end(step, last_of_launch)
             record = step_record(stats, step, device, peak, flops_per_token)
             # Not on a signal's stop: torchrun gives the ranks 30 s to save and exit.
             evaluate = held_out is not None and not interrupted and due(step, cfg.eval.every, t)

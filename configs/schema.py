@@ -130,6 +130,12 @@ class LoggingConfig:
     progress_bar: bool = True
     # Also write the metrics as TensorBoard events to <run dir>/tensorboard (pip install -e '.[tensorboard]').
     tensorboard: bool = False
+    # Trace steps profile_at .. profile_at + profile_steps - 1 with torch.profiler (the CPU's ops and, on
+    # GPUs, every kernel): each rank writes <run dir>/profile/steps_<first>-<last>/rank<r>.json.gz, which
+    # Perfetto (ui.perfetto.dev) or chrome://tracing opens. None: no trace.
+    profile_at: int | None = None
+    # Steps traced from profile_at (fewer where the launch ends sooner).
+    profile_steps: int = 2
 
 
 @dataclass

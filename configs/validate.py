@@ -176,6 +176,12 @@ def validate_train_config(cfg: TrainConfig) -> None:
             f"eval.batches={cfg.eval.batches} must be >= 1 (or null: the whole held-out corpus)",
         ),
         at_least("logging.every", cfg.logging.every, 1),
+        (
+            cfg.logging.profile_at is None or 1 <= cfg.logging.profile_at <= t.steps,
+            f"logging.profile_at={cfg.logging.profile_at} must be between 1 and training.steps={t.steps} "
+            "(or null)",
+        ),
+        at_least("logging.profile_steps", cfg.logging.profile_steps, 1),
     ]
     raise_first_failure(checks)
 

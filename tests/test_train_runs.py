@@ -4,6 +4,7 @@ skipped for the one before it, failed launches leave nothing behind, and the ste
 train.log, the console, TensorBoard and the plot."""
 
 import fcntl
+import gzip
 import json
 import os
 import resource
@@ -555,6 +556,30 @@ def test_tensorboard_missing_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(ValueError, match=r"needs the tensorboard package: pip install") as error:
         require_tensorboard()
     assert "\n" not in str(error.value)
+
+
+def trace_events(path: Path) -> list[dict]:
+    with gzip.open(path, "rt") as trace:
+        return json.load(trace)["traceEvents"]
+
+
+def test_profile_writes_a_trace_per_rank_of_the_steps_asked(tmp_path: Path) -> None:
+    """logging.profile_at=2 traces steps 2-3 on each of 2 ranks: their matmuls, DDP's all-reduce and the
+    optimizer; a trace that would run past the launch's end stops at its last step."""
+    overrides = [*TINY, CPU, "training.steps=4", "logging.profile_at=2", "logging.profile_steps=2"]
+    done = run_script("train.py", *overrides, f"hydra.run.dir={tmp_path / 'ddp'}", torchrun=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    traces = tmp_path / "ddp" / "profile" / "steps_2-3"
+    assert sorted(p.name for p in traces.iterdir()) == ["rank0.json.gz", "rank1.json.gz"]
+    for rank in (0, 1):
+        names = {event.get("name", "") for event in trace_events(traces / f"rank{rank}.json.gz")}
+        assert "aten::mm" in names
+        assert any(name.startswith("Optimizer.step#AdamW") for name in names)
+        assert any("allreduce" in name for name in names)
+    at_the_end = [*overrides[:-2], "logging.profile_at=4", f"hydra.run.dir={tmp_path / 'end'}"]
+    done = run_script("train.py", *at_the_end)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "end" / "profile" / "steps_4-4" / "rank0.json.gz").is_file()
 
 
 def test_plot_metrics_draws_several_runs(tmp_path: Path, straight: Path) -> None:

@@ -93,6 +93,11 @@ def test_config_errors_name_the_valid_choices(overrides: list[str], message: str
         ("eval.every=-1", "eval.every=-1 must be >= 0"),
         ("eval.batches=0", "eval.batches=0 must be >= 1 (or null: the whole held-out corpus)"),
         ("logging.every=0", "logging.every=0 must be >= 1"),
+        (
+            "logging.profile_at=301",
+            "logging.profile_at=301 must be between 1 and training.steps=300 (or null)",
+        ),
+        ("logging.profile_steps=0", "logging.profile_steps=0 must be >= 1"),
     ],
 )
 def test_train_values_are_checked(override: str, message: str) -> None:
