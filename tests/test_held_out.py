@@ -67,26 +67,31 @@ def test_held_out_loss_is_the_checkpoints_and_changes_no_training(tmp_path: Path
     assert f"eval_loss {measured[4]['eval_loss']:.4f}" in log
 
 
-def test_held_out_loss_under_tensor_parallelism(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("layout", "data_parallel"), [("parallel.tp=2", 1), ("parallel.fsdp=true", 2)])
+def test_held_out_loss_on_two_ranks(tmp_path: Path, layout: str, data_parallel: int) -> None:
     """At tp=2 the logits are split over the vocabulary (parallel/loss.py) and both ranks evaluate the
-    same windows: the loss is still the checkpoint's."""
+    same windows; under FSDP2 (dp=2) each rank evaluates half of them, and the weights gathered for the
+    evaluation are resharded before the checkpoint that follows. Either way the loss is the checkpoint's
+    over the windows of batch_size x data-parallel ranks."""
     done = run_script(
         "train.py",
         *TINY,
         CPU,
-        "training.steps=2",
-        "parallel.tp=2",
+        "training.steps=4",
+        "checkpoint.every=2",
+        layout,
         f"eval.path={HELD_OUT}",
-        "eval.every=0",
+        "eval.every=2",
         "eval.batches=2",
         f"hydra.run.dir={tmp_path}",
         torchrun=2,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     measured = rows(tmp_path)
-    assert [step for step, row in measured.items() if "eval_loss" in row] == [2]
-    expected = checkpoint_loss(tmp_path, 2, batch_size=4, seq_len=32, batches=2)
-    assert measured[2]["eval_loss"] == pytest.approx(expected, rel=1e-4)
+    assert [step for step, row in measured.items() if "eval_loss" in row] == [2, 4]
+    for step in (2, 4):
+        expected = checkpoint_loss(tmp_path, step, batch_size=4 * data_parallel, seq_len=32, batches=2)
+        assert measured[step]["eval_loss"] == pytest.approx(expected, rel=1e-4)
 
 
 def test_a_small_held_out_corpus_gives_what_it_holds_or_one_line(tmp_path: Path) -> None:

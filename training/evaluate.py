@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 
 from configs.schema import TrainConfig
 from model.data import PackedDataset
@@ -47,6 +48,11 @@ class HeldOutLoss:
                     inputs, targets = inputs[:, cp_chunk], targets[:, cp_chunk]
                 with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                     total += cross_entropy(model, model(inputs), targets)
+        # FSDP2 reshards a module's weights in its backward; with none, some stay gathered, registered
+        # in place of the shards that the optimizer and the checkpoint hold.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         total /= self.batches
         if dist.is_initialized():  # (tp ranks hold the same loss, cp ranks equal shares of the tokens)
             dist.all_reduce(total, op=dist.ReduceOp.AVG)

@@ -32,7 +32,7 @@ class StepProfiler:
     def begin(self, step: int) -> None:
         if step != self.first:
             return
-        self.profiler = profile(activities=self.activities, record_shapes=True)
+        self.profiler = profile(activities=self.activities, record_shapes=True, acc_events=True)
         self.profiler.start()
 
     def end(self, step: int, last_of_launch: bool) -> None:
