@@ -10,6 +10,7 @@ the epoch's order of windows, not the corpus. A .npy file of token ids is memory
 from __future__ import annotations
 
 import codecs
+import fcntl
 import hashlib
 import itertools
 import json
@@ -20,6 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import timedelta
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -43,9 +45,9 @@ PROGRESS_S = 30.0
 BUILD_TIMEOUT = timedelta(days=1)
 # Token ids of a .npy file checked at once (128 MiB of int64).
 CHECK_CHUNK = 1 << 24
-# A build's temporary file untouched this long, whose process on this host is gone, was left by a
-# killed build (a running one writes a chunk every few seconds).
-STALE_BUILD_S = 600.0
+# A build's temporary file that no process holds locked is abandoned once this old (younger, it may be
+# a file just created whose build has not locked it yet).
+ABANDONED_S = 60.0
 
 
 def default_corpus() -> list[str]:
@@ -247,27 +249,27 @@ def unwritable(directory: Path, error: OSError) -> ValueError:
     )
 
 
-def process_exists(pid: int) -> bool:
+def lock(file: BinaryIO) -> bool:
+    """Take an exclusive lock on `file` without waiting: False where another process holds one (or the
+    file system has no locks). Held until the file is closed."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fcntl.flock(file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
         return False
-    except PermissionError:  # another user's process
-        return True
     return True
 
 
-def remove_stale_builds(directory: Path) -> None:
-    """Delete the temporary files that builds on this host killed outright (SIGKILL, a lost node) left in
-    `directory`: their process is gone and they have not been written for STALE_BUILD_S (a process of
-    the same host name in another PID namespace is still writing its file)."""
-    host = socket.gethostname()
-    for temp in directory.glob(f"*.tmp-{host}-*"):
-        pid = temp.name.rsplit("-", 1)[1]
+def remove_abandoned_builds(directory: Path) -> None:
+    """Delete the temporary files that builds on this host killed outright (SIGKILL) left in
+    `directory`. A running build holds a lock on its file throughout, whatever its process's PID
+    namespace; a file that nobody holds and that is older than ABANDONED_S is abandoned."""
+    for temp in directory.glob(f"*.tmp-{socket.gethostname()}-*"):
         try:
-            idle = time.time() - temp.stat().st_mtime
-            if pid.isdigit() and not process_exists(int(pid)) and idle > STALE_BUILD_S:
-                temp.unlink()
+            if time.time() - temp.stat().st_mtime < ABANDONED_S:
+                continue
+            with temp.open("rb") as file:
+                if lock(file):
+                    temp.unlink()
         except OSError:  # gone already (another rank's cleanup), or not ours to delete
             pass
 
@@ -298,9 +300,9 @@ def build_token_file(
         out = temp.open("wb")
     except OSError as error:
         raise unwritable(target.parent, error) from None
-    remove_stale_builds(target.parent)
     try:
         with out:
+            lock(out)  # (until the file is closed, after it is published: remove_abandoned_builds)
             for done, documents in enumerate(sources):
                 for chunk in chunks(documents):
                     if stop_requested():
@@ -330,14 +332,16 @@ def build_token_file(
                 os.fsync(out.fileno())  # the tokens on disk before the name that says they are complete
             except OSError as error:  # a network file system's full disk shows here
                 raise unwritable(target.parent, error) from None
-        # A link, not a rename: where another builder (another node on a shared file system) got there
-        # first, its file stays, and the ranks that already map it keep a file that exists.
-        try:
-            os.link(temp, target)
-        except FileExistsError:
-            pass
-        except OSError:  # a file system without hard links
-            os.replace(temp, target)
+            # A link, not a rename: where another builder (another node on a shared file system) got
+            # there first, its file stays, and the ranks that already map it keep a file that exists.
+            try:
+                os.link(temp, target)
+            except FileExistsError:
+                pass
+            except FileNotFoundError:
+                raise
+            except OSError:  # a file system without hard links
+                os.replace(temp, target)
     finally:
         temp.unlink(missing_ok=True)
     seconds = time.monotonic() - start
@@ -408,6 +412,7 @@ def corpus_tokens(
     target = directory / f"{cache_key(files, jsonl_field, tokenizer)}.{dtype.name}"
 
     def build() -> str | None:
+        remove_abandoned_builds(target.parent)
         if target.exists():
             return None
         return build_token_file(target, path, files, jsonl_field, tokenizer, stop_requested, key)

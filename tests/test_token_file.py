@@ -6,8 +6,6 @@ import json
 import logging
 import os
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -162,32 +160,45 @@ def test_a_failed_build_leaves_no_file(tmp_path: Path, monkeypatch: pytest.Monke
     assert (tmp_path / "cache" / name).is_file()
 
 
-def test_a_build_deletes_what_killed_builds_on_its_host_left(tmp_path: Path) -> None:
-    """A build removes temporary files whose process on this host is gone and that nobody has written
-    for STALE_BUILD_S; a live process's file, a recently written one and other hosts' files stay."""
+def test_a_launch_deletes_what_killed_builds_on_its_host_left(tmp_path: Path) -> None:
+    """Temporary files that no process holds locked and older than ABANDONED_S are deleted by the next
+    launch, a cache hit's too; a running build's file (locked, however long since its last write), a
+    file just created and other hosts' files stay."""
     cache = tmp_path / "cache"
     cache.mkdir()
     host = socket.gethostname()
-    ended = subprocess.Popen([sys.executable, "-c", "pass"])
-    ended.wait()
-    old = time.time() - data.STALE_BUILD_S - 60
+    old = time.time() - data.ABANDONED_S - 60
 
-    def temp(name: str, pid: int, mtime: float) -> Path:
-        path = cache / f"{name}.tmp-{host}-{pid}"
+    def temp(name: str, mtime: float, owner: str = host) -> Path:
+        path = cache / f"{name}.tmp-{owner}-123"
         path.write_bytes(b"\x01\x00")
         os.utime(path, (mtime, mtime))
         return path
 
-    killed = temp("other_corpus.uint16", ended.pid, old)
-    fresh = temp("third_corpus.uint16", ended.pid, time.time())
-    running = temp("fourth_corpus.uint16", os.getpid(), old)
-    elsewhere = cache / f"other_corpus.uint16.tmp-otherhost-{ended.pid}"
-    elsewhere.write_bytes(b"\x01\x00")
-    os.utime(elsewhere, (old, old))
+    killed = temp("a.uint16", old)
+    fresh = temp("b.uint16", time.time())
+    running = temp("c.uint16", old)
+    elsewhere = temp("d.uint16", old, owner="otherhost")
     write_corpus(tmp_path / "corpus")
-    cached(tmp_path / "corpus", ByteTokenizer(), cache)
-    assert not killed.exists()
-    assert fresh.exists() and running.exists() and elsewhere.exists()
+    with running.open("rb") as held:
+        assert data.lock(held)  # as build_token_file holds its file
+        cached(tmp_path / "corpus", ByteTokenizer(), cache)
+        assert not killed.exists()
+        assert fresh.exists() and running.exists() and elsewhere.exists()
+    # A build holds its own file locked while it writes it.
+    seen = []
+
+    def still_writing() -> bool:
+        for building in (tmp_path / "other_cache").glob(f"*.tmp-{host}-{os.getpid()}"):
+            with building.open("rb") as file:
+                seen.append(data.lock(file))
+        return False
+
+    cached(tmp_path / "corpus", ByteTokenizer(), tmp_path / "other_cache", stop_requested=still_writing)
+    assert seen and not any(seen)
+    killed_again = temp("e.uint16", old)
+    cached(tmp_path / "corpus", ByteTokenizer(), cache)  # the token file exists: nothing is built
+    assert not killed_again.exists() and not running.exists()
 
 
 def test_corpus_errors_are_those_of_load_documents(tmp_path: Path) -> None:
