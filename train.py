@@ -506,6 +506,13 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
                 "token, so the documents are packed with nothing between them: name bos_token / eos_token "
                 "in its tokenizer_config.json"
             )
+        last_step = t.stop_at or t.steps
+        profile_at = cfg.logging.profile_at
+        if profile_at is not None and not start_step < profile_at <= last_step:
+            log.warning(
+                f"warning: logging.profile_at={profile_at} is outside the steps this launch trains "
+                f"({start_step + 1} to {last_step}): no trace is written"
+            )
         if t.warmup_steps > t.steps:  # allowed (a short smoke test), but the schedule is not the one set
             top = t.lr * lr_lambda(t.steps - 1, t.warmup_steps, t.steps, t.min_lr_ratio)
             log.warning(

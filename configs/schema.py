@@ -91,7 +91,7 @@ class DataConfig:
     # see rank 0's file; the other ranks wait), later ones and every rank memory-map the file. None:
     # $XDG_CACHE_HOME/weft/tokens, else ~/.cache/weft/tokens. Files there can be deleted while no run
     # reads them: a launch rebuilds what it needs (a build killed outright leaves a
-    # <name>.tmp-<host>-<pid> file, never read, which the next build on that host deletes).
+    # <name>.tmp-<host>-<pid> file, never read, which the next launch on that host deletes).
     cache_dir: str | None = None
 
 
@@ -118,7 +118,8 @@ class EvalConfig:
     every: int = 100
     # Batches of training.batch_size x training.seq_len tokens per data-parallel rank in each evaluation:
     # the same windows of the held-out corpus every time, drawn in an order that training.seed does not
-    # change; fewer where the corpus holds fewer. None: the whole corpus.
+    # change; fewer where the corpus holds fewer. None: the whole corpus (as many batches as it fills on
+    # every rank).
     batches: int | None = 16
 
 

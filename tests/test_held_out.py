@@ -109,6 +109,6 @@ def test_a_small_held_out_corpus_gives_what_it_holds_or_one_line(tmp_path: Path)
     done = run_script("train.py", *overrides[:-2], f"eval.path={tiny}", f"hydra.run.dir={tmp_path / 'no'}")
     assert done.returncode == 1
     line = done.stderr.strip().splitlines()[-1]
-    too_few = "the corpus has 11 tokens but one step over 1 rank(s) needs 129"
-    assert line.startswith(f"eval.path={tiny}: {too_few}")
+    too_few = "holds 11 tokens, fewer than one batch of training.batch_size x training.seq_len for each"
+    assert line.startswith(f"eval.path={tiny} {too_few} of the 1 data-parallel rank(s) takes (129)")
     assert not (tmp_path / "no").exists()

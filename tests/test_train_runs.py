@@ -580,6 +580,13 @@ def test_profile_writes_a_trace_per_rank_of_the_steps_asked(tmp_path: Path) -> N
     done = run_script("train.py", *at_the_end)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "end" / "profile" / "steps_4-4" / "rank0.json.gz").is_file()
+    # Past the launch's last step (training.stop_at): said, and nothing written.
+    stopped = [*overrides[:-2], "logging.profile_at=3", "training.stop_at=2"]
+    done = run_script("train.py", *stopped, f"hydra.run.dir={tmp_path / 's'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    warning = "warning: logging.profile_at=3 is outside the steps this launch trains (1 to 2): no trace"
+    assert warning in done.stdout + done.stderr
+    assert not (tmp_path / "s" / "profile").exists()
 
 
 def test_plot_metrics_draws_several_runs(tmp_path: Path, straight: Path) -> None:

@@ -23,10 +23,14 @@ class HeldOutLoss:
 
     def __init__(self, tokens: np.ndarray, cfg: TrainConfig, dp_rank: int, dp_size: int, path: str) -> None:
         t = cfg.training
-        try:
-            self.dataset = PackedDataset(tokens, t.seq_len, t.batch_size, dp_rank, dp_size, ORDER_SEED)
-        except ValueError as error:  # too few tokens for one batch on every rank
-            raise ValueError(f"eval.path={path}: {error}") from None
+        needed = dp_size * t.batch_size * t.seq_len + 1
+        if len(tokens) < needed:
+            raise ValueError(
+                f"eval.path={path} holds {len(tokens):,} tokens, fewer than one batch of training.batch_size "
+                f"x training.seq_len for each of the {dp_size} data-parallel rank(s) takes ({needed:,}): "
+                "give a larger held-out corpus"
+            )
+        self.dataset = PackedDataset(tokens, t.seq_len, t.batch_size, dp_rank, dp_size, ORDER_SEED)
         whole = self.dataset.steps_per_epoch
         self.batches = whole if cfg.eval.batches is None else min(cfg.eval.batches, whole)
         self.tokens = self.batches * t.batch_size * t.seq_len * dp_size
