@@ -109,10 +109,10 @@ class CheckpointConfig:
 
 @dataclass
 class EvalConfig:
-    # A held-out corpus, in any form data.path takes (tokenized into data.cache_dir alike), whose loss
-    # per token is measured without training on it: every `every` steps and at the launch's last step
-    # (training.steps or training.stop_at), logged as eval_loss beside that step's numbers. None: no
-    # evaluation.
+    # A held-out corpus, in any form data.path takes (a .jsonl file's text in data.jsonl_field too;
+    # tokenized into data.cache_dir alike), whose loss per token is measured without training on it:
+    # every `every` steps and at the launch's last step (training.steps or training.stop_at; not at a
+    # stop by a signal), logged as eval_loss beside that step's numbers. None: no evaluation.
     path: str | None = None
     # Evaluate every N optimizer steps; 0: only at the last step.
     every: int = 100
