@@ -268,21 +268,25 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """Clip the global gradient norm of a parallelized model (tp shards counted once each, tp-replicated
-    parameters once, FSDP shards summed over one replica's ranks) and return the norm before clipping."""
+    parameters once, FSDP shards summed over one replica's ranks) and return the norm before clipping.
+    Like torch.nn.utils.clip_grad_norm_, with foreach kernels: a few launches and one read of each
+    gradient, not a squared copy of it and four launches per parameter."""
     state: ParallelState | None = getattr(model, "parallel", None)
     params = [p for p in model.parameters() if p.grad is not None]
     if state is None:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     names = {id(p): n for n, p in model.named_parameters()}
-    device = _local(params[0].grad).device if params else torch.device("cpu")
-    sharded = torch.zeros((), device=device, dtype=torch.float32)
-    replicated = torch.zeros((), device=device, dtype=torch.float32)
-    for p in params:
-        sq = _local(p.grad).float().pow(2).sum()
-        if names[id(p)] in state.tp_shard_dims:
-            sharded += sq
-        else:
-            replicated += sq
+    grads = [_local(p.grad) for p in params]
+    device = grads[0].device if grads else torch.device("cpu")
+
+    def squared_norm(group: list[torch.Tensor]) -> torch.Tensor:
+        if not group:
+            return torch.zeros((), device=device, dtype=torch.float32)
+        return torch.stack(torch._foreach_norm(group)).float().pow(2).sum()
+
+    in_shards = [names[id(p)] in state.tp_shard_dims for p in params]
+    sharded = squared_norm([g for g, shard in zip(grads, in_shards, strict=True) if shard])
+    replicated = squared_norm([g for g, shard in zip(grads, in_shards, strict=True) if not shard])
     if state.tp_group is not None:
         dist.all_reduce(sharded, group=state.tp_group)
     total = sharded + replicated
@@ -290,6 +294,6 @@ def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
         dist.all_reduce(total, group=state.dp_group)
     norm = total.sqrt()
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for p in params:
-        _local(p.grad).mul_(scale.to(_local(p.grad).dtype))
+    for dtype in {g.dtype for g in grads}:
+        torch._foreach_mul_([g for g in grads if g.dtype == dtype], scale.to(dtype))
     return norm

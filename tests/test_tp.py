@@ -137,6 +137,12 @@ def _check_training(case: Case, rank: int, world: int) -> None:
     ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
     norm = clip_grad_norm_(model, 1e9)
     torch.testing.assert_close(norm, ref_norm, **TOL)
+    # ... and scales every gradient as the plain model's clipping does.
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), ref_norm.item() / 3)
+    clip_grad_norm_(model, ref_norm.item() / 3)
+    for name, p in model.named_parameters():
+        grad = _full(p.grad, name, state)
+        torch.testing.assert_close(grad, ref_params[name].grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def meta_built_model(args: ModelArgs, seed: int) -> Llama:
