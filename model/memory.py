@@ -57,6 +57,7 @@ def training_memory(
     activation_bytes: int,
     activation_checkpointing: bool,
     sharded: bool,
+    fused_loss: bool = False,
 ) -> MemoryEstimate:
     """A training rank's peak: fp32 weights, gradients and AdamW's two moments (split over tp, and over
     a replica's ranks when FSDP2 shards them: `sharded`), DDP's gradient buckets when replicated over
@@ -75,8 +76,9 @@ def training_memory(
         activations = args.n_layers * tokens * args.dim * 4 / split + block
     else:
         activations = args.n_layers * block
-    # The output projection's logits and the loss's float32 softmax.
-    logits = tokens * args.vocab_size * (activation_bytes + 4) / split
+    # The output projection's logits, kept by the loss, and the stock loss's float32 softmax (the fused
+    # one on GPUs, kernels/cross_entropy.py, keeps none: `fused_loss`).
+    logits = tokens * args.vocab_size * (activation_bytes + (0 if fused_loss else 4)) / split
     parts = {
         "weights": 4 * params,
         "gradients": 4 * params + ddp_buckets,
@@ -188,6 +190,7 @@ def check_training_fits(
         activation_bytes,
         training.activation_checkpointing,
         sharded,
+        fused_loss=device.type == "cuda",
     )
     advice = [split_advice(device, "train.py")]
     if device.type == "cuda" and not sharded and dims.world > 1:

@@ -56,8 +56,15 @@ def vocab_parallel_cross_entropy(
 
 def cross_entropy(model: torch.nn.Module, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The model's training loss: vocab-parallel when its output projection leaves logits sharded,
-    else the plain cross-entropy (fp32)."""
+    else the plain cross-entropy, in fp32. On GPUs weft's fused kernels (kernels/cross_entropy.py)
+    compute it, reading the logits once each way; elsewhere the stock ops."""
     output = getattr(model, "output", None)
-    if isinstance(output, VocabParallelOutput) and not output.gather_output:
-        return vocab_parallel_cross_entropy(logits, targets, output.ctx.comm.group, output.vocab_start)
+    sharded = isinstance(output, VocabParallelOutput) and not output.gather_output
+    group, vocab_start = (output.ctx.comm.group, output.vocab_start) if sharded else (None, 0)
+    if logits.is_cuda:
+        from kernels.cross_entropy import fused_cross_entropy  # (Triton, loaded on GPUs only)
+
+        return fused_cross_entropy(logits, targets, group, vocab_start)
+    if sharded:
+        return vocab_parallel_cross_entropy(logits, targets, group, vocab_start)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))

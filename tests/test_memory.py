@@ -54,6 +54,9 @@ def test_training_estimate_matches_what_autograd_saves() -> None:
     assert ddp.parts["gradients"] == 2 * estimate.parts["gradients"]
     recompute = memory.training_memory(TINY, ParallelDims(1, 1, 1), batch, seq, 4, True, sharded=False)
     assert recompute.parts["activations"] < estimate.parts["activations"] / 1.5
+    # The fused loss (GPUs) keeps no float32 softmax beside the logits.
+    fused = memory.training_memory(TINY, ParallelDims(1, 1, 1), batch, seq, 4, False, False, fused_loss=True)
+    assert estimate.parts["activations"] - fused.parts["activations"] == 4 * batch * seq * TINY.vocab_size
 
 
 def test_bf16_autocast_estimate_matches_what_autograd_saves() -> None:
