@@ -127,15 +127,15 @@ def launch(main: Callable[[], None]) -> None:
         if error is None:
             distributed.shutdown()
             raise
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         # Ctrl-C reaches every rank (from the terminal, and again from torchrun): one line, not a
         # traceback per rank, and the shell's code for it. The peers may be gone: no meeting.
         if distributed.rank() == 0:
             print("\nSIGINT: stopped", file=sys.stderr, flush=True)
-        distributed.shutdown()
+        distributed.shutdown_after(err)
         raise SystemExit(128 + signal.SIGINT) from None
-    except BaseException:
-        distributed.shutdown()  # no meeting: the peers may never get there
+    except BaseException as err:
+        distributed.shutdown_after(err)  # no meeting: the peers may never get there
         raise
     else:
         distributed.leave()

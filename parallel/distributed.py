@@ -10,6 +10,8 @@ import datetime as dt
 import gc
 import os
 import sys
+import time
+import traceback
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,6 +20,9 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from configs.schema import ParallelConfig
     from parallel.mesh import ParallelDims
+
+# Seconds a failing rank waits, without the GIL, before destroying its group (`shutdown_after`).
+WORKERS_SETTLE_S = 0.1
 
 
 def world_size() -> int:
@@ -128,6 +133,20 @@ def leave() -> None:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def shutdown_after(error: BaseException) -> None:
+    """The way out of a run that failed or was stopped on this rank (no meeting: the peers may be gone).
+    The failed run's frames, which the error's traceback holds, keep its model, and DDP's reducer in it
+    keeps the group alive past destroy_process_group: destroyed only at interpreter exit, gloo's worker
+    thread, still releasing a finished collective's tensors, waits for the GIL while the exiting thread
+    holds it to join that worker, and the rank hangs (seen on CPU after a non-finite loss, about 1 exit
+    in 8). So the frames are cleared and collected, the workers get a moment without the GIL, and the
+    group is destroyed here."""
+    traceback.clear_frames(error.__traceback__)
+    gc.collect()
+    time.sleep(WORKERS_SETTLE_S)
+    shutdown()
 
 
 def print_error_once(message: str, wait_s: float = 10.0) -> None:
