@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from configs.schema import TrainConfig
 from model.data import PackedDataset
@@ -53,7 +52,10 @@ class HeldOutLoss:
                 with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                     total += cross_entropy(model, model(inputs), targets)
         # FSDP2 reshards a module's weights in its backward; with none, some stay gathered, registered
-        # in place of the shards that the optimizer and the checkpoint hold.
+        # in place of the shards that the optimizer and the checkpoint hold. (Imported here: importing
+        # torch.distributed.fsdp takes most of a second, which every train.py launch would pay.)
+        from torch.distributed.fsdp import FSDPModule
+
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
