@@ -41,6 +41,7 @@ from serve import build_model, decode_bytes_per_step, kv_cache_bytes, memory_ban
 # cuBLAS (sm90_xmma_gemm_*, nvjet_*, gemv*), cuDNN/flash SDPA, ATen's eager kernels, inductor's
 # triton_{poi,red,per,tem}_fused_<ops> and weft's Triton kernels (kernels/*.py).
 OP_CLASSES: dict[str, str] = {
+    "training loss": r"cross_entropy",  # weft's loss kernels: in no decode step, but no kernel is "other"
     "split-K reduce": r"splitkreduce|split_k_reduce|reduce_splitk",
     "communication": r"nccl|all_reduce|allreduce|_one_shot|_two_shot|_all_to_all|_barrier_kernel"
     r"|ag_matmul|matmul_rs",

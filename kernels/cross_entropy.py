@@ -33,7 +33,7 @@ NUM_WARPS = 8
 
 
 @triton.jit
-def _forward_kernel(
+def _cross_entropy_forward_kernel(
     logits_ptr, row_stride, targets_ptr, vocab_start, vocab, max_ptr, sum_ptr, picked_ptr, BLOCK: tl.constexpr
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -55,7 +55,7 @@ def _forward_kernel(
 
 
 @triton.jit
-def _backward_kernel(
+def _cross_entropy_backward_kernel(
     logits_ptr,
     row_stride,
     grad_ptr,
@@ -91,7 +91,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
         rows, vocab = logits.shape
         stats = torch.empty(3, rows, dtype=torch.float32, device=logits.device)  # max, sum, picked
         if rows:
-            _forward_kernel[(rows,)](
+            _cross_entropy_forward_kernel[(rows,)](
                 logits,
                 logits.stride(0),
                 targets,
@@ -124,7 +124,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
         scale = (grad_loss * valid / count).float()
         grad = torch.empty_like(logits)
         if rows:
-            _backward_kernel[(rows, triton.cdiv(vocab, BLOCK))](
+            _cross_entropy_backward_kernel[(rows, triton.cdiv(vocab, BLOCK))](
                 logits,
                 logits.stride(0),
                 grad,
