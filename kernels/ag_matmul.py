@@ -81,6 +81,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import stream_ops
+from kernels.launch import launch
 from kernels.symm_mem import (
     DEFAULT_TIMEOUT_S,
     INTERPRETED,
@@ -425,8 +426,8 @@ def launch_gemm(
     b_descs += [b_descs[0]] * unused
     c_descs += [c_descs[0]] * unused
     n_tiles += [0] * unused
-    return _ag_matmul_kernel[(num_programs,)](
-        own_desc, a_desc, *b_descs, *c_descs,
+    return launch(
+        _ag_matmul_kernel, (num_programs,), own_desc, a_desc, *b_descs, *c_descs,
         flags, status, timeout_ns, k, triton.cdiv(r, bm), layout.pieces, *n_tiles,
         RANK=rank, WORLD=layout.world, NUM_W=len(bs), SPLITS=config.splits, B_KN=b_kn,
         BM=bm, BN=bn, BK=bk, GROUP_M=config.group_m, OP_ID=OP, FENCE=not INTERPRETED,
@@ -626,21 +627,40 @@ def fallback_reason(a_shard: torch.Tensor, bs: Sequence[torch.Tensor], dim: int,
     return None
 
 
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+class _SideStream:
+    """The high-priority stream of the copy-engine work on one device, and two events reused by every
+    call to fork it from the caller's stream and join it back (`Stream.wait_stream` makes a new event
+    each time)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device=device, priority=-1)
+        self.forked, self.joined = torch.cuda.Event(), torch.cuda.Event()
+
+    def fork(self, main: torch.cuda.Stream) -> None:
+        self.forked.record(main)
+        self.stream.wait_event(self.forked)
+
+    def join(self, main: torch.cuda.Stream) -> None:
+        self.joined.record(self.stream)
+        main.wait_event(self.joined)
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """High-priority stream of the copy engine work (one per device, reused)."""
-    stream = _SIDE_STREAMS.get(device.index)
-    if stream is None:
-        stream = _SIDE_STREAMS[device.index] = torch.cuda.Stream(device=device, priority=-1)
-    return stream
+_SIDE_STREAMS: dict[int, _SideStream] = {}
 
 
-def _run_barrier(buf: SymmBuffer, timeout_ns: int) -> None:
-    _barrier_kernel[(1,)](
-        buf.signal_pad_ptrs_dev, buf.epoch, buf.status, timeout_ns,
-        RANK=buf.rank, WORLD=buf.world_size, OP_ID=OP, num_warps=1,
+def _side_stream(device: torch.device) -> _SideStream:
+    """The device's side stream (one per device, reused)."""
+    side = _SIDE_STREAMS.get(device.index)
+    if side is None:
+        side = _SIDE_STREAMS[device.index] = _SideStream(device)
+    return side
+
+
+def _run_barrier(buf: SymmBuffer, timeout_ns: int, stream: torch.cuda.Stream | None = None) -> None:
+    """The entry / exit barrier on `stream` (default: the current stream)."""
+    launch(
+        _barrier_kernel, (1,), buf.signal_pad_ptrs_dev, buf.epoch, buf.status, timeout_ns,
+        RANK=buf.rank, WORLD=buf.world_size, OP_ID=OP, num_warps=1, stream=stream,
     )  # fmt: skip
 
 
@@ -724,15 +744,14 @@ def all_gather_matmul_kernel(
     flags = torch.zeros(world * splits, dtype=torch.uint32, device=device)
     if shard.data_ptr() % 16:  # the GEMM's TMA descriptor of the own rows needs a 16-byte aligned base
         shard = shard.clone()
-    side.wait_stream(main)  # the shard and the zeroed flags are ready
+    side.fork(main)  # the shard and the zeroed flags are ready
     # The copies are queued before the GEMM that waits for them, so that launches serialised by a
     # tool (CUDA_LAUNCH_BLOCKING=1, a profiler) cannot leave the GEMM spinning on copies not yet queued.
-    copies, size = side.cuda_stream, shard.element_size()
+    copies, size = side.stream.cuda_stream, shard.element_size()
     regions = [address + region for address in buf.addresses]
     a_ptr, shard_ptr, flags_ptr = a.data_ptr(), shard.data_ptr(), flags.data_ptr()
     stream_ops.copy(copies, regions[rank], shard_ptr, nbytes)
-    with torch.cuda.stream(side):
-        _run_barrier(buf, timeout_ns)  # every peer's shard is in its buffer
+    _run_barrier(buf, timeout_ns, side.stream)  # every peer's shard is in its buffer
     for step in range(1, world):
         src = (rank + step) % world
         for q, ranges in enumerate(row_copies(layout, cfg.block_m, splits, src, size)):
@@ -746,7 +765,7 @@ def all_gather_matmul_kernel(
     # The GEMM starts at once on this rank's rows (read from the shard itself) while the side stream
     # copies the shard in, meets the peers and pulls theirs.
     run_gemms(shard, a, layout, bs, outs, flags, buf.status, rank, cfg, gemm_programs(device), timeout_ns)
-    main.wait_stream(side)
+    side.join(main)
     if capturing:  # eager calls need no exit barrier (module docstring)
         _run_barrier(buf, timeout_ns)
     return a, outs

@@ -66,6 +66,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from kernels.launch import launch
 from kernels.symm_mem import (
     MAX_BLOCKS,
     MAX_PROGRAMS,
@@ -229,7 +230,9 @@ def launch_all_reduce(
         return out
     vec = vector_elems(inp.dtype)
     kernel = _one_shot_kernel if algo == "one_shot" else _two_shot_kernel
-    kernel[(num_blocks,)](
+    launch(
+        kernel,
+        (num_blocks,),
         inp,
         out,
         buf.buffer_ptrs_dev,
@@ -558,11 +561,19 @@ def launch_push_all_reduce(
     )
     meta = dict(RANK=buf.rank, WORLD=buf.world_size, DT=TRITON_DTYPES[inp.dtype], BLOCK_V=num_warps * 32)
     if algo == "one_shot_push":
-        _one_shot_push_kernel[(num_blocks,)](
-            *common, timeout_ns, **meta, OP=ONE_SHOT_PUSH_OP, num_warps=num_warps
+        launch(
+            _one_shot_push_kernel,
+            (num_blocks,),
+            *common,
+            timeout_ns,
+            **meta,
+            OP=ONE_SHOT_PUSH_OP,
+            num_warps=num_warps,
         )
     else:
-        _two_shot_push_kernel[(num_blocks,)](
+        launch(
+            _two_shot_push_kernel,
+            (num_blocks,),
             *common,
             layout.chunk_bytes // VECTOR_BYTES,
             timeout_ns,

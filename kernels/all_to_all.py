@@ -60,6 +60,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from kernels.launch import launch
 from kernels.symm_mem import (
     DEFAULT_TIMEOUT_S,
     MAX_PROGRAMS,
@@ -481,7 +482,8 @@ def launch_all_to_all(
     if max_programs is None:
         max_programs = sm_count(x0.device)
     block_rows, programs = schedule(n_rows, row_bytes, max_programs, chunks)
-    _all_to_all_kernel[(programs,)](
+    launch(
+        _all_to_all_kernel, (programs,),
         tuple(xs), tuple(vector_strides(x) for x in xs), tuple(outs), tuple(offsets),
         buf.buffer_ptrs_dev, buf.base_offset, stride, buf.epoch, buf.status,
         n_rows, seq_local, block_rows, timeout_ns,

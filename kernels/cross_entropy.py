@@ -28,6 +28,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from kernels.launch import launch
+
 BLOCK = 4096  # vocabulary entries a program handles at once
 NUM_WARPS = 8
 
@@ -91,7 +93,9 @@ class _FusedCrossEntropy(torch.autograd.Function):
         rows, vocab = logits.shape
         stats = torch.empty(3, rows, dtype=torch.float32, device=logits.device)  # max, sum, picked
         if rows:
-            _cross_entropy_forward_kernel[(rows,)](
+            launch(
+                _cross_entropy_forward_kernel,
+                (rows,),
                 logits,
                 logits.stride(0),
                 targets,
@@ -124,7 +128,9 @@ class _FusedCrossEntropy(torch.autograd.Function):
         scale = (grad_loss * valid / count).float()
         grad = torch.empty_like(logits)
         if rows:
-            _cross_entropy_backward_kernel[(rows, triton.cdiv(vocab, BLOCK))](
+            launch(
+                _cross_entropy_backward_kernel,
+                (rows, triton.cdiv(vocab, BLOCK)),
                 logits,
                 logits.stride(0),
                 grad,

@@ -99,6 +99,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import stream_ops
 from kernels.ag_matmul import is_kn_layout
+from kernels.launch import launch as launch_kernel
 from kernels.symm_mem import (
     DEFAULT_TIMEOUT_S,
     INTERPRETED,
@@ -523,7 +524,8 @@ def launch(
         credits = buffers.credits is not None
         credits_ptr = buffers.credits if credits else buffers.counters  # unused without credits
         credited_ptr = buffers.credited if credits else buffers.counters
-        stage = _matmul_rs_stage_kernel[(min(num_programs, (w - 1) * per_dest),)](
+        stage = launch_kernel(
+            _matmul_rs_stage_kernel, (min(num_programs, (w - 1) * per_dest),),
             a_desc, b_desc, buffers.staging, buffers.counters, credits_ptr, credited_ptr, buffers.status,
             timeout_ns, k, r, n, p, chunks,
             THREADS=config.threads, CREDITS=credits, OP_ID=OP, PDL=not INTERPRETED, **common,
@@ -531,7 +533,8 @@ def launch(
         kernels += (stage,)
     if part in ("own", "both"):
         after_stage = not INTERPRETED
-        own = _matmul_rs_own_kernel[(min(num_programs, per_dest),)](
+        own = launch_kernel(
+            _matmul_rs_own_kernel, (min(num_programs, per_dest),),
             a_desc, b_desc, out, buffers.received, buffers.flags, buffers.status, timeout_ns, k, r, n, p,
             chunks, OP_ID=OP, AFTER_STAGE=after_stage, SPIN=not INTERPRETED,
             **common, **({"launch_pdl": True} if after_stage else {}),
