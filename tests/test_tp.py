@@ -819,7 +819,7 @@ def test_torchrun_tp_train_resume_at_other_tp_then_serve(tmp_path: Path) -> None
             "mode=generate",
             f"checkpoint={source}",
             "prompt=def",
-            "max_new_tokens=24",
+            "max_new_tokens=8",
             "dtype=float32",
         ]
         single = run_script("serve.py", *generate, "device=cpu", f"hydra.run.dir={tmp_path / 's1'}")
