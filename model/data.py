@@ -356,9 +356,9 @@ def read_token_file(target: Path, dtype: np.dtype) -> np.ndarray:
     return np.memmap(target, dtype=dtype, mode="r") if target.stat().st_size else np.zeros(0, dtype)
 
 
-def pretokenized(path: str, vocab_size: int, key: str) -> np.ndarray:
-    """A .npy file's 1-D array of integer token ids, memory-mapped, each id checked to be below
-    vocab_size (the model's: its embedding has a row for each)."""
+def pretokenized(path: str, key: str) -> np.ndarray:
+    """A .npy file's 1-D array of integer token ids, memory-mapped (its ids are checked apart:
+    `id_outside`)."""
     try:
         tokens = np.load(path, mmap_mode="r")
     except ValueError as error:  # an object array (pickled), or no .npy header
@@ -371,15 +371,43 @@ def pretokenized(path: str, vocab_size: int, key: str) -> np.ndarray:
         )
     if tokens.dtype.kind not in "iu":  # (np.integer would let timedelta64 through)
         raise ValueError(f"{key}={path} holds {tokens.dtype} values: give integer token ids")
+    return tokens
+
+
+def id_outside(tokens: np.ndarray, vocab_size: int) -> int | None:
+    """The first id found outside [0, vocab_size) (the model's embedding has a row for each id inside),
+    or None: one pass over the ids, CHECK_CHUNK at a time."""
     for first in range(0, tokens.size, CHECK_CHUNK):
         part = tokens[first : first + CHECK_CHUNK]
         low, high = int(part.min()), int(part.max())
         if low < 0 or high >= vocab_size:
-            raise ValueError(
-                f"{key}={path} holds token id {low if low < 0 else high}, outside the model's "
-                f"{vocab_size} ids: give ids of the model's tokenizer, or raise model.vocab_size"
-            )
-    return tokens
+            return low if low < 0 else high
+    return None
+
+
+def checked_once(tokens: np.ndarray, vocab_size: int, path: str, key: str) -> None:
+    """Raise a one-line error if the .npy file's ids leave the model's vocabulary. Under
+    torch.distributed rank 0 reads the ids and tells every rank what it found (reading a corpus of
+    billions of ids takes seconds, each rank reading it again takes them again), in a gloo group whose
+    timeout outlasts the read; a rank whose file holds another number of ids than rank 0's stops."""
+    if not dist.is_initialized():
+        found, size = id_outside(tokens, vocab_size), tokens.size
+    else:
+        group = dist.new_group(backend="gloo", timeout=BUILD_TIMEOUT)
+        answer = [id_outside(tokens, vocab_size), tokens.size] if dist.get_rank() == 0 else [None, None]
+        dist.broadcast_object_list(answer, src=0, group=group)
+        dist.destroy_process_group(group)
+        found, size = answer
+    if size != tokens.size:
+        raise ValueError(
+            f"{key}={path} holds {tokens.size:,} token ids on rank {dist.get_rank()} and {size:,} on rank 0: "
+            "give every rank the same file"
+        )
+    if found is not None:
+        raise ValueError(
+            f"{key}={path} holds token id {found}, outside the model's {vocab_size} ids: give ids of the "
+            "model's tokenizer, or raise model.vocab_size"
+        )
 
 
 def corpus_tokens(
@@ -393,7 +421,8 @@ def corpus_tokens(
 ) -> tuple[np.ndarray, str]:
     """The corpus' token ids, memory-mapped, and a line for the run's log on where they come from.
 
-    A .npy file's ids are read as they are (checked against vocab_size, the model's); any other corpus
+    A .npy file's ids are read as they are (checked against vocab_size, the model's, by rank 0 alone
+    under torch.distributed: `checked_once`); any other corpus
     is tokenize_corpus(load_documents(path, jsonl_field), tokenizer), read from its token file under
     cache_dir (None: default_cache_dir()), built first where it is missing. Under torch.distributed
     every rank reads the file rank 0 names (the ranks' keys could differ if a corpus file changed
@@ -402,7 +431,8 @@ def corpus_tokens(
     of a gloo group whose timeout outlasts a build (the default group's would end a long one). A signal
     (`stop_requested`) ends a build with KeyboardInterrupt. Messages name `path` as the config key `key`."""
     if path is not None and Path(path).suffix == ".npy" and Path(path).is_file():
-        tokens = pretokenized(path, vocab_size, key)
+        tokens = pretokenized(path, key)
+        checked_once(tokens, vocab_size, path, key)
         return tokens, f"{key}={path}: {tokens.size:,} token ids"
     if cache_dir is not None and not cache_dir.strip():
         raise ValueError("data.cache_dir is empty: give a directory, or null")

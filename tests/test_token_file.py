@@ -5,6 +5,7 @@ trusted file from a failed build; ranks that wait for another process's build; .
 import json
 import logging
 import os
+import re
 import socket
 import time
 from pathlib import Path
@@ -278,6 +279,39 @@ def test_npy_token_ids_are_mapped_as_they_are(tmp_path: Path) -> None:
     over_file, over_tensor = (PackedDataset(t, 16, 4, 0, 1, seed=1) for t in (tokens, torch.from_numpy(ids)))
     for _ in range(3):
         assert torch.equal(over_file.next_batch()[0], over_tensor.next_batch()[0])
+
+
+def _ranks_check_npy_ids_once(rank: int, world: int, path: str, vocab_size: int, case: str) -> None:
+    read = []
+    data.id_outside = lambda *args, scan=data.id_outside: read.append(1) or scan(*args)
+    if case == "other file" and rank == 1:  # this node's copy of the file holds fewer ids
+        data.pretokenized = lambda *args, load=data.pretokenized: load(*args)[:-1]
+    if case == "good":
+        tokens, _ = corpus_tokens(path, "text", ByteTokenizer(), None, vocab_size)
+        assert np.array_equal(tokens, np.load(path))
+    else:
+        messages = {
+            "bad id": f" holds token id 300, outside the model's {vocab_size} ids",
+            "other file": " holds 4,999 token ids on rank 1 and 5,000 on rank 0: give every rank the same",
+        }
+        message = re.escape(path) + messages[case]
+        if case == "other file" and rank == 0:
+            corpus_tokens(path, "text", ByteTokenizer(), None, vocab_size)  # rank 0 cannot tell
+        else:
+            with pytest.raises(ValueError, match=message):
+                corpus_tokens(path, "text", ByteTokenizer(), None, vocab_size)
+    assert read == ([1] if rank == 0 else [])
+
+
+@pytest.mark.parametrize("case", ["good", "bad id", "other file"])
+def test_npy_ids_are_read_by_rank_0_alone(tmp_path: Path, case: str) -> None:
+    """Under torch.distributed rank 0 alone reads a .npy file's ids against the vocabulary, and every
+    rank stops with its one-line error; a rank whose file holds another number of ids stops too."""
+    ids = np.random.default_rng(0).integers(0, 264, 5_000, dtype=np.int32)
+    if case == "bad id":
+        ids[4_321] = 300
+    np.save(tmp_path / "ids.npy", ids)
+    run_ranks(_ranks_check_npy_ids_once, 2, str(tmp_path / "ids.npy"), 264, case)
 
 
 @pytest.mark.parametrize(
