@@ -31,7 +31,6 @@ from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 Grid = tuple[int] | tuple[int, int] | tuple[int, int, int]
-Stream = torch.cuda.Stream
 
 _I32 = (-(2**31), 2**31)
 _I64_MAX = 2**63
@@ -82,7 +81,9 @@ _SIGNATURES: dict[triton.JITFunction, _Signature] = {}
 _COMPILED: dict[tuple, Any] = {}
 
 
-def launch(kernel: Any, grid: Grid, *args: Any, stream: Stream | None = None, **kwargs: Any) -> Any:
+def launch(
+    kernel: Any, grid: Grid, *args: Any, stream: torch.cuda.Stream | None = None, **kwargs: Any
+) -> Any:
     """`kernel[grid](*args, **kwargs)` on `stream` (default: the current stream), with the host work
     described in the module docstring. Returns the compiled kernel (None under the interpreter)."""
     if not isinstance(kernel, triton.JITFunction):  # the interpreter's InterpretedFunction

@@ -357,8 +357,7 @@ def read_token_file(target: Path, dtype: np.dtype) -> np.ndarray:
 
 
 def pretokenized(path: str, key: str) -> np.ndarray:
-    """A .npy file's 1-D array of integer token ids, memory-mapped (its ids are checked apart:
-    `id_outside`)."""
+    """A .npy file's 1-D array of integer token ids, memory-mapped (`checked_once` checks the ids)."""
     try:
         tokens = np.load(path, mmap_mode="r")
     except ValueError as error:  # an object array (pickled), or no .npy header
@@ -391,18 +390,18 @@ def checked_once(tokens: np.ndarray, vocab_size: int, path: str, key: str) -> No
     billions of ids takes seconds, each rank reading it again takes them again), in a gloo group whose
     timeout outlasts the read; a rank whose file holds another number of ids than rank 0's stops."""
     if not dist.is_initialized():
-        found, size = id_outside(tokens, vocab_size), tokens.size
+        found = id_outside(tokens, vocab_size)
     else:
         group = dist.new_group(backend="gloo", timeout=BUILD_TIMEOUT)
         answer = [id_outside(tokens, vocab_size), tokens.size] if dist.get_rank() == 0 else [None, None]
         dist.broadcast_object_list(answer, src=0, group=group)
         dist.destroy_process_group(group)
         found, size = answer
-    if size != tokens.size:
-        raise ValueError(
-            f"{key}={path} holds {tokens.size:,} token ids on rank {dist.get_rank()} and {size:,} on rank 0: "
-            "give every rank the same file"
-        )
+        if size != tokens.size:
+            raise ValueError(
+                f"{key}={path} holds {tokens.size:,} token ids on rank {dist.get_rank()} and {size:,} on "
+                "rank 0: give every rank the same file"
+            )
     if found is not None:
         raise ValueError(
             f"{key}={path} holds token id {found}, outside the model's {vocab_size} ids: give ids of the "

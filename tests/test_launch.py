@@ -21,8 +21,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _samples() -> list[object]:
     base = torch.empty(64, 64, dtype=torch.bfloat16)
-    ints = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 16, 2**31, 2**31 + 1, 2**40, 2**63 - 16, 2**63]
-    ints.append(2**64 - 1)
+    ints = [0, 1, 2, 15, 16, 17, 32, -1, -16]
+    ints += [2**31 - 16, 2**31, 2**31 + 1, 2**40, 2**63 - 16, 2**63, 2**64 - 1]  # i32 / i64 / u64 edges
     tensors = [base, base[:, 1:], base[:, 8:], base.float(), base.view(torch.int16)[:, 3:]]
     descs = [
         TensorDescriptor(base, [64, 64], [64, 1], [16, 32]),
