@@ -9,6 +9,7 @@ does, so q/k rows are permuted back at load and forward at export.
 
 from __future__ import annotations
 
+import glob
 import itertools
 import json
 import os
@@ -338,6 +339,20 @@ def _shards(specs: list[TensorSpec], max_bytes: int) -> list[list[TensorSpec]]:
     return shards
 
 
+def clear_killed_exports(out: Path) -> None:
+    """One process exports into `out` at a time: what an export killed mid-way (SIGKILL, a scheduler's
+    time limit) left beside it goes. Its temporary directory is removed; a previous export it had moved
+    aside takes its name back if nothing has it, and is removed otherwise."""
+    pattern = glob.escape(out.name)
+    for tmp in out.parent.glob(f"{pattern}.tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    for old in out.parent.glob(f"{pattern}.old-*"):
+        if out.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, out)
+
+
 def export_hf(
     weights: torch.nn.Module | Mapping[str, torch.Tensor] | WeightStream,
     args: ModelArgs,
@@ -356,6 +371,7 @@ def export_hf(
     temporary directory, then renamed; an existing non-empty `out_dir` is refused unless `overwrite`,
     and a failed write (a full disk) raises CheckpointWriteError, leaving `out_dir` as it was."""
     out = Path(out_dir)
+    clear_killed_exports(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(
             f"{out} exists and is not empty: choose another directory or pass overwrite=True"

@@ -3,6 +3,8 @@ loaded through the Hugging Face directory path gives the same logits and greedy 
 loads back into `transformers` with the same logits; configs weft cannot run fail with the reason."""
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -197,6 +199,29 @@ def test_sharded_export_of_a_state_dict_round_trips(tmp_path: Path) -> None:
     tokens = torch.randint(0, 120, (2, 16))
     with torch.no_grad():
         assert (model(tokens) - reference(tokens).logits).abs().max().item() <= 1e-4
+
+
+def test_an_export_clears_what_a_killed_one_left(tmp_path: Path) -> None:
+    """An export killed mid-way leaves hf.tmp-<pid> (and, between its two renames, the previous export
+    as hf.old-<pid>) beside hf/: the next export removes them, and gives a previous export its name back
+    where hf/ is missing."""
+    args = ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=300, ffn_hidden=48)
+    model = Llama(args)
+    model.init_weights()
+    (tmp_path / "hf.tmp-1").mkdir()
+    (tmp_path / "hf.tmp-1" / "model.safetensors").write_bytes(b"partial")
+    out = export_hf(model, args, tmp_path / "hf")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+    os.replace(out, tmp_path / "hf.old-2")  # killed between the renames: hf/ missing
+    (tmp_path / "hf.tmp-2").mkdir()
+    with pytest.raises(FileExistsError, match="overwrite=True"):
+        export_hf(model, args, out)  # the previous export has its name again, so hf/ is not empty
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"] and (out / "config.json").is_file()
+
+    shutil.copytree(out, tmp_path / "hf.old-3")  # killed after the renames: hf/ whole
+    export_hf(model, args, out, overwrite=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
 
 
 def test_export_writes_config_tokenizer_and_refuses_overwrite(tmp_path: Path) -> None:
