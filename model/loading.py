@@ -69,11 +69,14 @@ def load_weights_into(model: torch.nn.Module, path: Path) -> None:
 def tokenizer_dir(checkpoint: Path | None) -> Path | None:
     """Where the tokenizer of a resolved checkpoint lives: a Hugging Face directory holds its own; a
     weft checkpoint's run directory holds the one it was trained with, unless tokenizer files were
-    copied into the checkpoint directory itself (None: the byte tokenizer)."""
+    copied into the checkpoint directory itself (None: the byte tokenizer, which a checkpoint trained on
+    bytes names in its meta.json: a tokenizer.json two levels above one copied elsewhere is another's)."""
     if checkpoint is None:
         return None
     if is_hf_checkpoint(checkpoint) or (checkpoint / "tokenizer.json").is_file():
         return checkpoint
+    if read_json(checkpoint / "meta.json").get("tokenizer") == "bytes":
+        return None
     return checkpoint.parent.parent
 
 

@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 from configs.schema import ParallelConfig, ServeConfig  # noqa: E402
 from model.args import ModelArgs  # noqa: E402
 from model.chat import load_chat_template, render_chat  # noqa: E402
+from model.checkpoint import save_checkpoint  # noqa: E402
 from model.generate import Sampling, generate, sample, sample_logits  # noqa: E402
 from model.generation_config import (  # noqa: E402
     default_sampling,
@@ -559,6 +560,17 @@ def test_init_from_and_export_keep_tokenizer_template_and_generation_config(tmp_
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copyfile(run / name, moved / name)
     assert checkpoint_tokenizer(moved).encode_prompt(TEXTS[0]) == reference(TEXTS[0])["input_ids"]
+
+
+def test_a_checkpoint_trained_on_bytes_decodes_bytes_below_another_tokenizer(tmp_path: Path) -> None:
+    """A weft checkpoint of a byte-level run copied two levels below another model's tokenizer.json (a
+    run directory's place): its meta.json says bytes, and bytes it decodes with, not the stranger's ids."""
+    args = ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=264, ffn_hidden=48)
+    model = Llama(args)
+    model.init_weights()
+    base = write_tokenizer_dir(tmp_path / "base", "llama3")
+    step = save_checkpoint(base, 3, model, keep=1)  # base / checkpoints / step_00000003
+    assert isinstance(checkpoint_tokenizer(step), ByteTokenizer)
 
 
 def test_init_from_checks_seq_len_against_the_checkpoint(tmp_path: Path) -> None:
