@@ -347,10 +347,10 @@ def stream_completion(model: Llama, completion: Completion, cfg: ServeConfig, de
 
 
 def run(cfg: ServeConfig, run_dir: Path) -> None:
-    validate_serve_config(cfg)
     overrides = command_line_overrides()
+    check_prompt_override(overrides)  # (first: reading cfg.prompt resolves a ${...} in it)
+    validate_serve_config(cfg)
     check_mode_overrides(cfg.mode, overrides, cfg.messages)
-    check_prompt_override(overrides)
     device = distributed.resolve_device(cfg.device)
     dims = distributed.validate_parallel(cfg.parallel, distributed.world_size(), device)
     validate_comm_ops(dims, training=False)

@@ -66,15 +66,19 @@ def one_line(err: BaseException) -> str:
     if isinstance(err, HydraException) and isinstance(cause, OmegaConfBaseException):
         return f"{first}: {str(cause.msg).split(chr(10))[0]}"
     if isinstance(err, OmegaConfBaseException):
-        return str(err.msg).split("\n")[0]
+        return str(err.msg or err).split("\n")[0]  # (msg is None where OmegaConf raised it bare)
     return first
 
 
 def command_line_overrides() -> list[str]:
     """The overrides the running Hydra task was launched with (none outside one)."""
     from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
 
-    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    if not HydraConfig.initialized():
+        return []
+    # As typed: resolving would read a ${...} in an override's value as an interpolation.
+    return OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)
 
 
 # Settings that are null in some presets and structured where set.

@@ -8,6 +8,7 @@ and what to set it to; configs/launch.py prints it as one line.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import fields, is_dataclass
 
@@ -122,13 +123,20 @@ def check_mode_overrides(mode: str, overrides: Sequence[str], messages: str | No
 
 def check_prompt_override(overrides: Sequence[str]) -> None:
     """Hydra reads an unquoted prompt=true, prompt=1e3 or prompt=1_000 as a bool or a number, which the
-    prompt (a string) then spells its own way ('True', '1000.0'): refused, not completed as another text."""
+    prompt (a string) then spells its own way ('True', '1000.0'), and a ${...} in it, quoted or not, as an
+    interpolation (OmegaConf puts a key's value there, or fails): refused, not completed as another text.
+    Call it before anything reads the config's prompt, which resolves it."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     for override in overrides:
         if override_key(override) != "prompt":
             continue
         text = override.split("=", 1)[1]
+        if re.search(r"(?<!\\)\$\{", text):
+            raise ValueError(
+                f"{override}: Hydra reads the ${{...}} in it as an interpolation, so the prompt would not "
+                "be the text typed: write \\${ for each literal ${ (in the shell's double quotes: \\\\\\${)"
+            )
         value = OverridesParser.create().parse_overrides([override])[0].value()
         if not isinstance(value, str) and str(value) != text:
             raise ValueError(

@@ -12,10 +12,11 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
+from omegaconf.errors import InterpolationKeyError
 
 from configs.launch import one_line
 from configs.schema import register_configs, register_resolvers
-from configs.validate import check_keys, validate_serve_config, validate_train_config
+from configs.validate import check_keys, check_prompt_override, validate_serve_config, validate_train_config
 from model import memory
 from model.args import ModelArgs
 from tests.multiprocess import run_ranks
@@ -235,11 +236,31 @@ def assert_one_error_line(done, text: str) -> None:
         ("serve.py", ["mode=generate", "batch_size=8", "decode_steps=9"], "ignores batch_size=8, decode"),
         ("serve.py", ["mode=generate", "messages=chat.json", "prompt=Hi"], "so prompt=Hi would be ignored"),
         ("serve.py", ["mode=generate", "prompt=1e3"], "prompt=1e3 is read as the float 1000.0, so the"),
+        (
+            "serve.py",
+            ["mode=generate", "prompt='echo ${HOME}'"],
+            "reads the ${...} in it as an interpolation",
+        ),
+        ("serve.py", ["mode=generate", "prompt=${model.n_layers}"], "write \\${ for each literal ${"),
     ],
 )
 def test_script_prints_one_error_line(tmp_path: Path, script: str, overrides: list[str], text: str) -> None:
     done = run_script(script, *overrides, "device=cpu", f"hydra.run.dir={tmp_path}")
     assert_one_error_line(done, text)
+
+
+def test_an_escaped_interpolation_is_the_prompt_typed() -> None:
+    """prompt='echo \\${HOME}' (as the refusal above says to write it) passes the check and reaches the
+    prompt as the text typed."""
+    override = "prompt='echo \\${HOME}'"
+    check_prompt_override([override])
+    assert composed("serve", "mode=generate", override).prompt == "echo ${HOME}"
+
+
+def test_an_omegaconf_error_without_a_message_is_named_by_its_text() -> None:
+    assert one_line(InterpolationKeyError("Interpolation key 'HOME' not found")) == (
+        "Interpolation key 'HOME' not found"
+    )
 
 
 @pytest.mark.parametrize("under", ["", "sub"])
