@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import hydra
 import numpy as np
@@ -300,18 +301,29 @@ def kept_checkpoint(run_dir: Path, last_saved: int) -> str:
     return f"the last good checkpoint (step {last_saved}) is kept in {run_dir / 'checkpoints'}"
 
 
-def launch_resume_command(run_dir: Path) -> str:
-    """The command that resumes this launch (a job of a multirun sweep: that job alone)."""
+def launch_resume_command(run_dir: Path, step: int) -> str:
+    """The command that resumes this launch from its checkpoint of `step` (a job of a multirun sweep:
+    that job alone)."""
     sweep_job = command_line_overrides() if HydraConfig.get().mode == RunMode.MULTIRUN else None
-    return resume_command(run_dir, sweep_job)
+    return resume_command(run_dir, step, sweep_job)
+
+
+def stop_run(why: str) -> NoReturn:
+    """Stop every rank of a run that cannot go on: rank 0 says why on stderr and in train.log (whose
+    `record` logger writes to the file alone), the other ranks exit quietly with status 1."""
+    if distributed.rank() != 0:
+        raise SystemExit(1)
+    logging.getLogger("record").error(why)
+    raise SystemExit(why)
 
 
 def export_run(
-    model: torch.nn.Module, args: ModelArgs, run_dir: Path, tokenizer: Tokenizer, sharded: bool
+    model: torch.nn.Module, args: ModelArgs, run_dir: Path, tokenizer: Tokenizer, sharded: bool, step: int
 ) -> None:
-    """checkpoint.export_hf: the trained weights as a directory transformers loads, in run_dir / "hf"
-    (collective: a sharded model is gathered by every rank one tensor at a time, rank 0 writing each as
-    it comes). A failed write (a full disk) stops every rank; rank 0 says why and how to export again."""
+    """checkpoint.export_hf: the weights trained to `step` as a directory transformers loads, in
+    run_dir / "hf" (collective: a sharded model is gathered by every rank one tensor at a time, rank 0
+    writing each as it comes). A failed write (a full disk) stops every rank; rank 0 says why and how to
+    export again."""
     out = run_dir / "hf"
 
     def write() -> None:
@@ -323,11 +335,10 @@ def export_run(
     error = rank_0_write_error(write, "export the model")
     if error is not None:
         # The run is at training.steps: relaunched, it trains nothing and exports.
-        why = (
+        stop_run(
             f"{error}: the run's checkpoints are kept in {shown(run_dir / 'checkpoints')}. Free space "
-            f"and export them with: {launch_resume_command(run_dir)}"
+            f"and export them with: {launch_resume_command(run_dir, step)}"
         )
-        raise SystemExit(why if distributed.rank() == 0 else 1)
     if distributed.rank() == 0:
         log.info(f"exported a Hugging Face model to {out}")
 
@@ -466,8 +477,13 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
                 done = f"{shown(run_dir)} already holds step {start_step}"
                 log.info(f"{done} >= training.steps={t.steps}: nothing to train")
             if cfg.checkpoint.export_hf:
-                export_run(model, args, run_dir, tokenizer, mesh is not None)
+                export_run(model, args, run_dir, tokenizer, mesh is not None, start_step)
             return
+        if t.stop_at is not None and t.stop_at <= start_step:
+            raise ValueError(
+                f"training.stop_at={t.stop_at} is not after step {start_step}, which this launch resumes "
+                f"from ({shown(resume_from)}): set a later step, or leave training.stop_at out"
+            )
         check_resume_config(meta, cfg, optimizer, scheduler, start_step, resume_from, dp_size)
     if rank == 0:  # once the launch is known to be runnable: a refused one leaves no directory
         log.info(f"run directory: {shown(run_dir)}")
@@ -556,8 +572,7 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
             except NonFiniteStep as err:
                 # Every rank sees the same averaged loss and stops here; rank 0 says why.
                 kept = kept_checkpoint(run_dir, last_saved)
-                why = f"{err} at step {step}: stopping; {kept}. Lower training.lr or check the data"
-                raise SystemExit(why if rank == 0 else 1) from None
+                stop_run(f"{err} at step {step}: stopping; {kept}. Lower training.lr or check the data")
             launch_record.trained = True
             interrupted = stop.agreed() and step < t.steps  # the same answer on every rank
             last_of_launch = interrupted or step in (t.steps, t.stop_at)
@@ -580,11 +595,10 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
                     run_dir, step, model, optimizer, scheduler, dataset, cfg, sharded_save, hf_tokenizer
                 )
                 if error is not None:  # every rank stops; rank 0 says why and how to go on
-                    why = (
+                    stop_run(
                         f"{error}: stopping; {kept_checkpoint(run_dir, last_saved)}. Free space "
-                        f"and resume with: {launch_resume_command(run_dir)}"
+                        f"and resume with: {launch_resume_command(run_dir, last_saved)}"
                     )
-                    raise SystemExit(why if rank == 0 else 1)
                 last_saved = step
             if last_of_launch:
                 break
@@ -595,9 +609,9 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
             last += f", held-out loss {record['eval_loss']:.4f}"
         log.info(f"{why}stopped at step {step}, {last}; run directory {shown(run_dir)}")
         if step < t.steps:
-            log.info(f"checkpoint of step {step} saved; resume with: {launch_resume_command(run_dir)}")
+            log.info(f"checkpoint of step {step} saved; resume with: {launch_resume_command(run_dir, step)}")
     if cfg.checkpoint.export_hf and step == t.steps:
-        export_run(model, args, run_dir, tokenizer, mesh is not None)
+        export_run(model, args, run_dir, tokenizer, mesh is not None, step)
     if interrupted:
         raise SystemExit(stop.exit_code)
 

@@ -62,7 +62,8 @@ class TrainingConfig:
     grad_clip: float = 1.0
     # Seeds the initial weights (unless checkpoint.init_from gives them) and the order of the data.
     seed: int = 0
-    # Stop (after saving a checkpoint) at this step as if interrupted; running again resumes.
+    # Stop (after saving a checkpoint) at this step as if interrupted; running again resumes (a resume
+    # refuses a stop_at it has reached: drop it, or set a later one).
     stop_at: int | None = None
     # Resume even though steps, lr, warmup_steps, min_lr_ratio, weight_decay, beta1 or beta2 differ
     # from the checkpoint's: the new values apply from the next step (the learning rate jumps to the

@@ -532,9 +532,9 @@ def _export_with_a_full_disk(rank: int, world: int, run_dir: str) -> None:
     except CheckpointWriteError as err:
         assert rank == 0 and "No space left on device" in str(err)
     # train.py's export: every rank stops, rank 0 saying why and how to export again.
-    train.launch_resume_command = lambda run_dir: "RESUME"
+    train.launch_resume_command = lambda run_dir, step: "RESUME"
     with pytest.raises(SystemExit) as stopped:
-        train.export_run(model, model.args, Path(run_dir), ByteTokenizer(), sharded=True)
+        train.export_run(model, model.args, Path(run_dir), ByteTokenizer(), sharded=True, step=4)
     if rank == 0:
         assert (
             "No space left on device" in stopped.value.code
@@ -558,7 +558,7 @@ def _export_with_a_full_disk(rank: int, world: int, run_dir: str) -> None:
 
         hf.write_tensors = broken
     with pytest.raises(ValueError if rank == 0 else SystemExit) as stopped:
-        train.export_run(model, model.args, Path(run_dir), ByteTokenizer(), sharded=True)
+        train.export_run(model, model.args, Path(run_dir), ByteTokenizer(), sharded=True, step=4)
     assert "a broken writer" in str(stopped.value) if rank == 0 else stopped.value.code == 1
     assert full_model_state(model).keys() == full.keys()
     # The new export takes the old one's name by renames: where that fails, the old export is whole.

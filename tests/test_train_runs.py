@@ -7,6 +7,7 @@ import fcntl
 import gzip
 import json
 import os
+import re
 import resource
 import shlex
 import shutil
@@ -29,6 +30,7 @@ from tests.multiprocess import run_ranks
 from tests.test_train_serve import CPU, ROOT, TINY, losses, run_script
 from train import build_optimizer, lr_lambda, train_step
 from training.interrupt import StopRequest
+from training.metrics import MetricsLog, read_metrics
 
 STEPS = 300
 CPU_DEVICE = torch.device("cpu")
@@ -110,8 +112,10 @@ def test_step_lines_in_train_log_and_plain_console(straight: Path) -> None:
     assert log.splitlines()[0].endswith(f"run directory: {straight}")
     assert sum(f"step {s}/{STEPS}  loss" in log for s in range(1, STEPS + 1)) == STEPS
     assert metric_steps(straight) == list(range(1, STEPS + 1))
-    # This launch's config, kept under launches/<launch time>/.
+    # This launch's config, kept under launches/<launch time>/ (to the microsecond: two launches into one
+    # run directory within a second get a record each).
     (record,) = (straight / "launches").iterdir()
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d_\d\d-\d\d-\d\d\.\d{6}", record.name), record.name
     assert f"steps: {STEPS}" in (record / "config.yaml").read_text()
 
 
@@ -148,6 +152,13 @@ def test_printed_command_resumes_a_run_directory_with_spaces_and_accents(tmp_pat
     (command,) = [
         line.split("resume with: ", 1)[1] for line in first.stdout.splitlines() if "resume with: " in line
     ]
+    assert "training.stop_at" not in command  # reached: a resume refuses it (below)
+    again = run_script("train.py", *short, "training.stop_at=2", f"hydra.run.dir='{run_dir}'")
+    assert again.returncode == 1
+    assert again.stderr.strip() == (
+        f"training.stop_at=2 is not after step 2, which this launch resumes from "
+        f"({run_dir}/checkpoints/step_00000002): set a later step, or leave training.stop_at out"
+    )
     resumed = subprocess.run(
         shlex.split(command), cwd=ROOT, env=environment(), capture_output=True, text=True, timeout=600
     )
@@ -348,8 +359,15 @@ def test_non_finite_loss_stops_every_rank_with_one_message(tmp_path: Path) -> No
         f"hydra.run.dir={tmp_path}", torchrun=2,
     )  # fmt: skip
     assert done.returncode != 0
-    said = (done.stdout + done.stderr).count("loss became nan at step 2: stopping; no checkpoint was saved")
+    why = "loss became nan at step 2: stopping; no checkpoint was saved"
+    said = (done.stdout + done.stderr).count(why)
     assert said == 1, done.stderr[-3000:]
+    assert (
+        (tmp_path / "train.log")
+        .read_text()
+        .splitlines()[-1]
+        .endswith(why + " before it. Lower training.lr or check the data")
+    )
 
 
 def test_non_finite_gradients_never_reach_a_checkpoint(tmp_path: Path) -> None:
@@ -535,6 +553,38 @@ def test_failed_launch_leaves_no_run_directory(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert "max_seq_len" in done.stdout + done.stderr
     assert not run_dir.exists()
+
+
+def test_failed_launch_keeps_what_the_run_directory_held_before_it(tmp_path: Path) -> None:
+    """hydra.run.dir naming a directory of the user's: a launch that fails before its first step removes
+    its own files there and leaves theirs, weft's file names among them, as they were."""
+    theirs = {
+        "tensorboard/old/events.out": "events",
+        "tokenizer.json": "{}",
+        "train.log": "their notes\n",
+        "README.txt": "keep",
+    }
+    for name, text in theirs.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    done = run_script(
+        "train.py", *TINY, CPU, f"data.path={tmp_path / 'typo.jsonl'}", f"hydra.run.dir={tmp_path}"
+    )
+    assert done.returncode == 1 and "typo.jsonl" in done.stderr
+    held = {str(p.relative_to(tmp_path)): p.read_text() for p in tmp_path.rglob("*") if p.is_file()}
+    assert held == theirs
+
+
+def test_rows_of_earlier_launches_stay_until_this_launch_logs_a_step(tmp_path: Path) -> None:
+    """A resume from step 2 drops the rows of steps 3 and 4 (it trains them again) when it logs its first
+    step, not before: a launch stopped or failing before that leaves them."""
+    earlier = [{"step": s, "loss": 5.0 - s} for s in (1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in earlier))
+    with MetricsLog(tmp_path, start_step=2, total_steps=8, tensorboard=False) as metrics:
+        assert read_metrics(tmp_path) == earlier
+        metrics.write({"step": 3, "loss": 0.5, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0})
+        assert metric_steps(tmp_path) == [1, 2, 3]
+    assert read_metrics(tmp_path)[-1]["loss"] == 0.5
 
 
 def test_tensorboard_events(straight: Path) -> None:

@@ -7,7 +7,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 log = logging.getLogger(__name__)
 
@@ -72,19 +72,26 @@ def step_line(record: dict[str, Any], total_steps: int) -> str:
 
 class MetricsLog:
     """Rank 0's metrics of one launch. On a resume from `start_step`, rows (and TensorBoard points) of
-    later steps, written before the run was stopped, are dropped: every step appears once."""
+    later steps, written before the run was stopped, are dropped when this launch logs its first step:
+    every step appears once, and a launch that fails before it logs anything leaves the rows as they were."""
 
     def __init__(self, run_dir: Path, start_step: int, total_steps: int, tensorboard: bool) -> None:
-        self.total_steps = total_steps
-        path = run_dir / "metrics.jsonl"
-        drop_rows_after(path, start_step)
-        self.file = open(path, "a")  # noqa: SIM115 (closed by close())
+        self.run_dir, self.start_step, self.total_steps = run_dir, start_step, total_steps
+        self.summary_writer = require_tensorboard() if tensorboard else None
+        self.file: TextIO | None = None
         self.tensorboard = None
-        if tensorboard:
-            writer = require_tensorboard()
-            self.tensorboard = writer(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)
+
+    def _open(self) -> TextIO:
+        path = self.run_dir / "metrics.jsonl"
+        drop_rows_after(path, self.start_step)
+        if self.summary_writer is not None:
+            log_dir = str(self.run_dir / "tensorboard")
+            self.tensorboard = self.summary_writer(log_dir=log_dir, purge_step=self.start_step + 1)
+        return open(path, "a")  # closed by __exit__
 
     def write(self, record: dict[str, Any]) -> None:
+        if self.file is None:
+            self.file = self._open()
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         log.info(step_line(record, self.total_steps))
@@ -99,6 +106,7 @@ class MetricsLog:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         if self.tensorboard is not None:
             self.tensorboard.close()

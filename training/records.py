@@ -3,7 +3,8 @@
 Each launch's config is kept by Hydra under <run dir>/launches/<launch time>/ (config.yaml, the
 overrides, Hydra's settings), and each checkpoint's meta.json holds the config of the run that wrote
 it, so nothing that describes a checkpoint is ever overwritten. A launch that fails before its first
-step leaves nothing behind: its record is removed, and so is a run directory that never trained.
+step leaves nothing behind: its record and the files it wrote are removed, and so is a run directory
+left empty.
 """
 
 from __future__ import annotations
@@ -88,12 +89,13 @@ def shown(path: Path) -> str:
         return str(absolute)
 
 
-def resume_command(run_dir: Path, sweep_job: Sequence[str] | None = None) -> str:
-    """The command line that resumes this run: this launch's own, pinned to its run directory. For a job
-    of a multirun sweep, `sweep_job` (the job's own overrides): the sweep's command line would start a new
+def resume_command(run_dir: Path, step: int, sweep_job: Sequence[str] | None = None) -> str:
+    """The command line that resumes this run from its checkpoint of `step`: this launch's own, pinned to
+    its run directory, less a training.stop_at it has reached (a resume refuses one). For a job of a
+    multirun sweep, `sweep_job` (the job's own overrides): the sweep's command line would start a new
     sweep, every job from step 0, in a new sweep directory."""
     args = sys.argv[1:] if sweep_job is None else sweep_job
-    overrides = [arg for arg in args if not arg.startswith("hydra.run.dir=")]
+    overrides = [arg for arg in args if not arg.startswith("hydra.run.dir=") and not _reached_stop(arg, step)]
     world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if world > 1:
         nodes = [f"--nnodes={world // local}"] if world != local else []
@@ -101,6 +103,12 @@ def resume_command(run_dir: Path, sweep_job: Sequence[str] | None = None) -> str
     else:
         launcher = [shown(Path(sys.executable))]
     return shlex.join([*launcher, sys.argv[0], *overrides, f"hydra.run.dir={hydra_value(shown(run_dir))}"])
+
+
+def _reached_stop(override: str, step: int) -> bool:
+    """Whether `override` sets a training.stop_at at or before `step` (or to null)."""
+    key, _, value = override.partition("=")
+    return key == "training.stop_at" and not (value.isdigit() and int(value) > step)
 
 
 def hydra_value(text: str) -> str:
@@ -155,18 +163,29 @@ def trained_any(run_dir: Path) -> bool:
 
 
 class LaunchRecord:
-    """This launch's config files (`subdir` of the run directory, None where Hydra writes none) and
-    whether the launch has trained a step (set by the training loop)."""
+    """This launch's config files (`subdir` of the run directory, None where Hydra writes none), which
+    of weft's files the run directory held before the launch, and whether the launch has trained a step
+    (set by the training loop). Made first thing in the task function: Hydra has made the run directory,
+    this launch's record and an empty log file by then, and nothing else of this launch's."""
 
     def __init__(self, run_dir: Path, subdir: str | None) -> None:
         self.run_dir = run_dir
         self.files = run_dir / subdir if subdir else None
         self.trained = False
+        self.found = {name for name in PRE_TRAINING_FILES if self._held_before(run_dir / name)}
+
+    def _held_before(self, path: Path) -> bool:
+        if path.name == "train.log":  # Hydra's log file of this launch, empty unless it was there before
+            return path.is_file() and path.stat().st_size > 0
+        if path.name == "launches":  # holds this launch's record
+            return path.is_dir() and any(entry != self.files for entry in path.iterdir())
+        return path.exists() or path.is_symlink()
 
     def forget(self, writer: bool = True, in_use: bool = False) -> None:
         """Undo a launch that failed before its first step: remove its record and, if the run
-        directory never trained, weft's files there and the directory itself when nothing else is
-        (`in_use`: refused for a run directory another launch holds, whose files those are).
+        directory never trained, the files of weft's that this launch wrote there, and the directory
+        itself when nothing else is (`in_use`: refused for a run directory another launch holds, whose
+        files those are). Files the run directory held before the launch stay.
         Under torchrun only the writer (rank 0) removes files; every rank removes the run directory if
         it is empty (Hydra makes it on each rank, and a peer may make it after rank 0 removed it)."""
         if not writer:
@@ -177,7 +196,7 @@ class LaunchRecord:
             _remove_if_empty(self.files.parent)
         if in_use or trained_any(self.run_dir):
             return
-        for name in PRE_TRAINING_FILES:
+        for name in set(PRE_TRAINING_FILES) - self.found:
             path = self.run_dir / name
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
