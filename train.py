@@ -69,6 +69,7 @@ from training.records import (
     LaunchRecord,
     RunDirectoryInUse,
     data_parallel_change,
+    data_windows_change,
     resume_changes,
     resume_command,
     run_directory_lock,
@@ -220,13 +221,15 @@ def check_resume_config(
     step: int,
     source: Path,
     dp_size: int,
+    windows: int,
 ) -> None:
-    """Say what a resume changes from the config (and data-parallel ranks) the checkpoint `meta` was
-    saved with; a changed schedule is refused unless training.allow_schedule_change=true, then applied
-    from the next step."""
-    saved = meta.get("config")
-    schedule, other = resume_changes(saved, OmegaConf.to_container(cfg, resolve=True))
+    """Say what a resume changes from the config (and data-parallel ranks, and the `windows` of the
+    data's epoch) the checkpoint `meta` was saved with; a changed schedule is refused unless
+    training.allow_schedule_change=true, then applied from the next step."""
+    saved, current = meta.get("config"), OmegaConf.to_container(cfg, resolve=True)
+    schedule, other = resume_changes(saved, current)
     other += data_parallel_change(saved, meta["data"], dp_size)
+    other += data_windows_change(saved, current, meta["data"], windows)
     if other and distributed.rank() == 0:
         log.warning(f"warning: resuming {shown(source)} with changed values: {', '.join(other)}")
     if not schedule:
@@ -484,7 +487,9 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
                 f"training.stop_at={t.stop_at} is not after step {start_step}, which this launch resumes "
                 f"from ({shown(resume_from)}): set a later step, or leave training.stop_at out"
             )
-        check_resume_config(meta, cfg, optimizer, scheduler, start_step, resume_from, dp_size)
+        check_resume_config(
+            meta, cfg, optimizer, scheduler, start_step, resume_from, dp_size, dataset.n_windows
+        )
     if rank == 0:  # once the launch is known to be runnable: a refused one leaves no directory
         log.info(f"run directory: {shown(run_dir)}")
 

@@ -121,7 +121,18 @@ def read_documents(path: Path, jsonl_field: str) -> Iterator[str]:
         if not isinstance(record[jsonl_field], str):
             kind = type(record[jsonl_field]).__name__
             raise ValueError(f"{path}:{number}: {jsonl_field!r} is a {kind}, not text: set data.jsonl_field")
-        yield record[jsonl_field]
+        text = record[jsonl_field]
+        # JSON's escapes can spell half a UTF-16 pair ("\ud83d", scraped text holds them), which no
+        # tokenizer encodes: name the line here rather than fail inside a tokenizer naming none.
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise ValueError(
+                    f"{path}:{number}: {jsonl_field!r} holds an unpaired surrogate "
+                    f"({text[error.start]!r} at character {error.start}): repair or drop that line"
+                ) from None
+        yield text
 
 
 def corpus_files(root: Path) -> list[Path]:
@@ -517,13 +528,30 @@ class PackedDataset:
         return batch[:, :-1], batch[:, 1:]
 
     def state_dict(self) -> dict[str, int]:
-        """Where the next batch comes from: the epoch, the steps already taken in it, and the windows a
-        step took (data-parallel ranks x batch size), so that another layout resumes at the same place."""
-        return {"epoch": self.epoch, "step": self.step, "windows_per_step": self.world_size * self.batch_size}
+        """Where the next batch comes from: the epoch, the steps already taken in it, the windows a step
+        took (data-parallel ranks x batch size), so that another layout resumes at the same place, and
+        the epoch's windows, which name its order: a resume over a corpus of another number
+        (`load_state_dict`) is told that its order is a new one."""
+        return {
+            "epoch": self.epoch,
+            "step": self.step,
+            "windows_per_step": self.world_size * self.batch_size,
+            "windows": self.n_windows,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume the same number of windows into the saved epoch's order. A position at the end of its
+        epoch is the start of the next one, which any layout can start. State without "windows" (saved
+        before weft recorded them) is taken to be over this corpus. Over a corpus of another number of
+        windows the epoch's order is a new one (train.py warns): the saved number of windows into it is
+        kept, and a position past this corpus' epoch starts the next epoch."""
         per_step = self.world_size * self.batch_size
-        taken = int(state["step"]) * int(state.get("windows_per_step", per_step))  # this epoch's windows
+        saved_step, saved_per_step = int(state["step"]), int(state.get("windows_per_step", per_step))
+        windows = int(state.get("windows", self.n_windows))
+        epoch, taken = int(state["epoch"]), saved_step * saved_per_step  # this epoch's windows
+        past_changed_corpus = windows != self.n_windows and taken > self.steps_per_epoch * per_step
+        if (saved_step and saved_step == windows // saved_per_step) or past_changed_corpus:
+            epoch, taken = epoch + 1, 0
         if taken % per_step:
             raise ValueError(
                 f"the checkpoint's data position is {taken} windows into its epoch, not a whole number of "
@@ -536,5 +564,5 @@ class PackedDataset:
                 f"saved data position {step} is past this corpus' {self.steps_per_epoch} steps per epoch: "
                 "resume with the same data, training.batch_size and training.seq_len"
             )
-        self.epoch, self.step = int(state["epoch"]), step
+        self.epoch, self.step = epoch, step
         self._order = self._epoch_order()

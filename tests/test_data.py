@@ -7,8 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from model.data import PackedDataset, load_documents, marks_document_boundaries, tokenize_corpus
+from model.data import (
+    PackedDataset,
+    corpus_tokens,
+    load_documents,
+    marks_document_boundaries,
+    tokenize_corpus,
+)
 from model.tokenizer import ByteTokenizer, HFTokenizer
+from tests.test_tokenizer import write_hf_tokenizer
 
 
 def dataset(tokens: torch.Tensor, rank: int = 0, world_size: int = 1, seed: int = 3) -> PackedDataset:
@@ -94,6 +101,20 @@ def test_loading_errors_are_one_line(tmp_path: Path) -> None:
         load_documents(str(tmp_path / "empty"))
 
 
+def test_unpaired_surrogate_names_its_line_under_either_tokenizer(tmp_path: Path) -> None:
+    """Half a UTF-16 pair escaped in a .jsonl line (valid JSON, "\\ud83d") is text no tokenizer can
+    encode: the token file's build names the line, whichever tokenizer it runs."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "fine \\ud83d\\ude00 pair"}\n{"text": "broken \\ud83d half"}\n')
+    for tokenizer in (ByteTokenizer(), HFTokenizer(write_hf_tokenizer(tmp_path / "hf"))):
+        with pytest.raises(
+            ValueError,
+            match=r"corpus\.jsonl:2: 'text' holds an unpaired surrogate \('\\ud83d' at character 7\): repair",
+        ):
+            corpus_tokens(str(corpus), "text", tokenizer, str(tmp_path / "tokens"), tokenizer.vocab_size)
+        assert not list((tmp_path / "tokens").iterdir())  # no token file, nor a temporary one left
+
+
 def test_tokenize_joins_documents_with_eos() -> None:
     tokenizer = ByteTokenizer()
     assert tokenize_corpus(["ab", "c"], tokenizer).tolist() == [256, 97, 98, 257, 256, 99, 257]
@@ -158,7 +179,7 @@ def test_resume_gives_the_same_batches() -> None:
     for _ in range(data.steps_per_epoch + 2):  # past an epoch boundary
         data.next_batch()
     state = data.state_dict()
-    assert state == {"epoch": 1, "step": 2, "windows_per_step": 8}
+    assert state == {"epoch": 1, "step": 2, "windows_per_step": 8, "windows": 624}
     resumed = dataset(tokens, rank=1, world_size=2)
     resumed.load_state_dict(json.loads(json.dumps(state)))  # as meta.json stores it
     for _ in range(data.steps_per_epoch + 1):
@@ -194,6 +215,45 @@ def test_resume_over_another_number_of_ranks_continues_the_epoch() -> None:
     assert torch.equal(torch.cat([data.next_batch()[0] for data in quad]), expected)
     with pytest.raises(ValueError, match=r"32 windows into its epoch, not a whole number .* 3 x 4"):
         dataset(tokens, rank=0, world_size=3).load_state_dict(state)
+
+
+def test_resume_at_the_end_of_an_epoch_starts_the_next_over_any_layout() -> None:
+    """5 steps of 2 windows end an epoch of 10: the next batch starts the next epoch, which a launch of
+    4 windows a step (not dividing 10) starts as well, with the windows the straight run takes next.
+    A checkpoint that records no windows (saved before weft did) resumes there too."""
+    tokens = torch.arange(16 * 10 + 1)
+    pairs = PackedDataset(tokens, 16, batch_size=2, rank=0, world_size=1, seed=3)
+    for _ in range(5):
+        pairs.next_batch()
+    state = json.loads(json.dumps(pairs.state_dict()))
+    assert state == {"epoch": 0, "step": 5, "windows_per_step": 2, "windows": 10}
+    expected = torch.cat([pairs.next_batch()[0] for _ in range(2)])
+    for saved in (state, {"epoch": 0, "step": 5, "windows_per_step": 2}):
+        fours = PackedDataset(tokens, 16, batch_size=4, rank=0, world_size=1, seed=3)
+        fours.load_state_dict(saved)
+        assert (fours.epoch, fours.step) == (1, 0)
+        assert torch.equal(fours.next_batch()[0], expected)
+
+
+def test_resume_over_a_changed_corpus_keeps_its_position_in_the_new_order() -> None:
+    """A corpus of another number of windows draws another order: the resume goes as many windows
+    into it as the checkpoint had taken (train.py warns), and a position past the new epoch's windows
+    starts the next epoch rather than stopping the launch."""
+    longer = PackedDataset(torch.arange(16 * 12 + 1), 16, batch_size=2, rank=0, world_size=1, seed=3)
+    for _ in range(5):
+        longer.next_batch()
+    state = json.loads(json.dumps(longer.state_dict()))  # 10 of 12 windows into epoch 0
+    assert state["windows"] == 12
+    same_size = PackedDataset(torch.arange(16 * 11 + 1), 16, batch_size=2, rank=0, world_size=1, seed=3)
+    same_size.load_state_dict(state)
+    assert (same_size.epoch, same_size.step, same_size.steps_per_epoch) == (0, 5, 5)
+    shorter = PackedDataset(torch.arange(16 * 9 + 1), 16, batch_size=2, rank=0, world_size=1, seed=3)
+    shorter.load_state_dict(state)
+    assert (shorter.epoch, shorter.step) == (1, 0)
+    fresh = PackedDataset(torch.arange(16 * 9 + 1), 16, batch_size=2, rank=0, world_size=1, seed=3)
+    for _ in range(fresh.steps_per_epoch):
+        fresh.next_batch()
+    assert torch.equal(shorter.next_batch()[0], fresh.next_batch()[0])
 
 
 def test_too_small_corpus_says_how_many_tokens() -> None:

@@ -31,6 +31,7 @@ from tests.test_train_serve import CPU, ROOT, TINY, losses, run_script
 from train import build_optimizer, lr_lambda, train_step
 from training.interrupt import StopRequest
 from training.metrics import MetricsLog, read_metrics
+from training.records import data_windows_change
 
 STEPS = 300
 CPU_DEVICE = torch.device("cpu")
@@ -165,6 +166,40 @@ def test_printed_command_resumes_a_run_directory_with_spaces_and_accents(tmp_pat
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from {run_dir}/checkpoints/step_00000002" in resumed.stdout
     assert metric_steps(run_dir) == [1, 2, 3, 4]
+
+
+def test_resume_over_a_changed_corpus_says_its_order_is_new(tmp_path: Path) -> None:
+    """A document appended between launches rebuilds the token file, and its epoch of 11 windows (10
+    before) is drawn in another order: the resume says so, and trains on from the saved step."""
+    corpus, run_dir = tmp_path / "corpus.jsonl", tmp_path / "run"
+    # 6 documents of 52 bytes, 54 tokens with BOS and EOS: 10 windows of 32 tokens (and a target)
+    corpus.write_text((json.dumps({"text": "the corpus grows " * 3 + "x"}) + "\n") * 6)
+    launch = [*TINY, CPU, "training.steps=3", "checkpoint.every=0", f"data.path={corpus}"]
+    launch += [f"data.cache_dir={tmp_path / 'tokens'}", f"hydra.run.dir={run_dir}"]
+    first = run_script("train.py", *launch, "training.stop_at=1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    with corpus.open("a") as file:
+        file.write(json.dumps({"text": "one more document appended later"}) + "\n")
+    resumed = run_script("train.py", *launch)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    said = (
+        f"warning: resuming {run_dir}/checkpoints/step_00000001 with changed values: data windows 10 -> 11 "
+        "(the corpus changed: this epoch's order is a new one)"
+    )
+    assert said in resumed.stdout
+    assert metric_steps(run_dir) == [1, 2, 3]
+
+
+def test_data_windows_change_is_named_only_where_recorded_and_changed() -> None:
+    """A checkpoint from before weft recorded the epoch's windows says nothing; a new
+    training.seq_len, not the corpus, is named as the cause where it changed."""
+    config = {"training": {"seq_len": 32}}
+    assert data_windows_change(config, config, {"epoch": 0, "step": 3, "windows_per_step": 2}, 11) == []
+    assert data_windows_change(config, config, {"epoch": 0, "step": 3, "windows": 11}, 11) == []
+    longer = {"training": {"seq_len": 64}}
+    assert data_windows_change(config, longer, {"epoch": 0, "step": 3, "windows": 11}, 5) == [
+        "data windows 11 -> 5 (training.seq_len changed: this epoch's order is a new one)"
+    ]
 
 
 def test_multirun_job_prints_a_command_that_resumes_it(tmp_path: Path) -> None:

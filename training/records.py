@@ -79,6 +79,23 @@ def data_parallel_change(saved: dict[str, Any] | None, data: dict[str, Any], ran
     return [f"data-parallel ranks {per_step // batch} -> {ranks}"]
 
 
+def data_windows_change(
+    saved: dict[str, Any] | None, current: dict[str, Any], data: dict[str, Any], windows: int
+) -> list[str]:
+    """'data windows 10 -> 11 (the corpus changed: this epoch's order is a new one)' when the
+    checkpoint's data position was taken in an epoch of another number of windows than this launch's
+    `windows`: the resume goes as many windows into an order drawn anew, so that some of the epoch's
+    windows come twice and others not at all. Nothing for a checkpoint that records no windows (saved
+    before weft recorded them)."""
+    before = data.get("windows")
+    if before is None or before == windows:
+        return []
+    seq_len = "training.seq_len"
+    new_seq_len = saved is not None and _value(saved, seq_len) != _value(current, seq_len)
+    cause = f"{seq_len} changed" if new_seq_len else "the corpus changed"
+    return [f"data windows {before} -> {windows} ({cause}: this epoch's order is a new one)"]
+
+
 def shown(path: Path) -> str:
     """A path as a user would type it: relative to the working directory when inside it (symbolic links
     kept: a virtual environment's python is one)."""
