@@ -72,13 +72,18 @@ def training_memory(
     split = dims.tp * dims.cp  # sequence parallelism splits every activation over tp * cp
     tokens = batch_size * seq_len
     block = tokens * block_activation_bytes(args, activation_bytes) / split
+    # but the inputs of the all-gather-matmuls (a block's wq|wk|wv and w1|w3, and the output
+    # projection), which train.py's plan saves gathered over tp (parallel/layers.py, save_gathered): a
+    # whole [B, S / cp, dim] each.
+    gathered_input = tokens * args.dim * activation_bytes * (1 / dims.cp - 1 / split)
+    block += 2 * gathered_input
     if activation_checkpointing:  # each block keeps its input (float32); one block's are recomputed
         activations = args.n_layers * tokens * args.dim * 4 / split + block
     else:
         activations = args.n_layers * block
     # The output projection's logits, kept by the loss, and the stock loss's float32 softmax (the fused
     # one on GPUs, kernels/cross_entropy.py, keeps none: `fused_loss`).
-    logits = tokens * args.vocab_size * (activation_bytes + (0 if fused_loss else 4)) / split
+    logits = tokens * args.vocab_size * (activation_bytes + (0 if fused_loss else 4)) / split + gathered_input
     parts = {
         "weights": 4 * params,
         "gradients": 4 * params + ddp_buckets,

@@ -12,6 +12,7 @@ from model.llama import Llama
 from parallel.checkpoint import materialize
 from parallel.loss import cross_entropy
 from parallel.mesh import ParallelDims
+from tests.multiprocess import run_ranks
 from tests.test_user_errors import composed
 
 GIB = 2**30
@@ -21,8 +22,9 @@ TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, ff
 
 
 def saved_activation_bytes(model: Llama, tokens: torch.Tensor) -> int:
-    """Bytes of the tensors autograd saves for the backward of the training loss (weights excepted)."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    """Bytes of the tensors autograd saves for the backward of the training loss (weights, a DTensor's
+    local shard included, excepted)."""
+    weights = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -57,6 +59,30 @@ def test_training_estimate_matches_what_autograd_saves() -> None:
     # The fused loss (GPUs) keeps no float32 softmax beside the logits.
     fused = memory.training_memory(TINY, ParallelDims(1, 1, 1), batch, seq, 4, False, False, fused_loss=True)
     assert estimate.parts["activations"] - fused.parts["activations"] == 4 * batch * seq * TINY.vocab_size
+
+
+def _tp_saved_activations(rank: int, world: int) -> None:
+    """A rank of train.py's tensor-parallel plan (gloo, comm torch): what autograd saves against the
+    estimate, which must count the gathered inputs the all-gather-matmuls keep whole over tp."""
+    from parallel.mesh import build_mesh
+    from parallel.parallelize import ParallelizeConfig, parallelize_llama
+
+    args = ModelArgs(dim=128, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=64, ffn_hidden=256)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Llama(args)
+    dims = ParallelDims(1, 1, world)
+    parallelize_llama(model, build_mesh(dims, "cpu"), ParallelizeConfig(fsdp=False))
+    materialize(model, torch.device("cpu"))
+    batch, seq = 4, 128
+    measured = saved_activation_bytes(model, torch.randint(0, args.vocab_size, (batch, seq)))
+    estimate = memory.training_memory(args, dims, batch, seq, 4, False, sharded=True).parts["activations"]
+    assert 0.95 * measured <= estimate <= 1.25 * measured, (world, estimate, measured)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_estimate_matches_what_autograd_saves(world: int) -> None:
+    run_ranks(_tp_saved_activations, world)
 
 
 def test_bf16_autocast_estimate_matches_what_autograd_saves() -> None:
