@@ -534,11 +534,18 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
                 f"warning: logging.profile_at={profile_at} is outside the steps this launch trains "
                 f"({start_step + 1} to {last_step}): no trace is written"
             )
-        if t.warmup_steps > t.steps:  # allowed (a short smoke test), but the schedule is not the one set
-            top = t.lr * lr_lambda(t.steps - 1, t.warmup_steps, t.steps, t.min_lr_ratio)
+        # Allowed (a short smoke test), but the schedule is not the one set.
+        last_lr = t.lr * lr_lambda(t.steps - 1, t.warmup_steps, t.steps, t.min_lr_ratio)
+        if t.warmup_steps > t.steps:
             log.warning(
                 f"warning: training.warmup_steps={t.warmup_steps} exceeds training.steps={t.steps}: the "
-                f"learning rate stops at {top:.3g} in warm-up, short of training.lr={t.lr:g}"
+                f"learning rate stops at {last_lr:.3g} in warm-up, short of training.lr={t.lr:g}"
+            )
+        elif t.warmup_steps >= t.steps - 1 and t.min_lr_ratio < 1:  # (the decay starts from the peak)
+            log.warning(
+                f"warning: training.warmup_steps={t.warmup_steps} leaves training.steps={t.steps} no step "
+                f"of decay: the learning rate ends at {last_lr:.3g}, not training.lr * training.min_lr_ratio"
+                f" = {t.lr * t.min_lr_ratio:.3g}"
             )
 
     flops_per_token = args.training_flops_per_token(t.seq_len)

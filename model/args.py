@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -36,8 +37,9 @@ class ModelArgs:
     max_seq_len: int = 2048
     # Share the input embedding with the output projection.
     tie_embeddings: bool = False
-    # Std of the random initial projections (wo and w2 divided by sqrt(2 * n_layers); model/llama.py's
-    # init_plan); a tied embedding starts with it too.
+    # Std of the random initial projections of the blocks (wo and w2 divided by sqrt(2 * n_layers);
+    # model/llama.py's init_plan); a tied embedding starts with it too. An untied output projection
+    # starts at dim ** -0.5 and an untied embedding at 1.
     init_std: float = 0.02
     # Decode only: run linear layers on FP8 weights (per-channel scales) with weft's FP8 kernels.
     fp8: bool = False
@@ -71,20 +73,24 @@ class ModelArgs:
                 self.n_heads % self.n_kv_heads == 0,
                 f"model.n_heads={self.n_heads} must be a multiple of model.n_kv_heads={self.n_kv_heads}",
             ),
-            (self.norm_eps > 0, f"model.norm_eps={self.norm_eps} must be > 0"),
-            (self.rope_theta > 0, f"model.rope_theta={self.rope_theta} must be > 0"),
-            (self.init_std > 0, f"model.init_std={self.init_std} must be > 0"),
+            # (inf passes > 0: norm_eps=inf zeroes every norm's output, init_std=inf fails in init)
+            (positive(self.norm_eps), f"model.norm_eps={self.norm_eps} must be a finite number > 0"),
+            (positive(self.rope_theta), f"model.rope_theta={self.rope_theta} must be a finite number > 0"),
+            (positive(self.init_std), f"model.init_std={self.init_std} must be a finite number > 0"),
         ]
         scaling = self.rope_scaling
         if scaling is not None:  # rope_frequencies divides by each of these (factor 0 trains to NaN)
             checks += [
-                (scaling.factor > 0, f"model.rope_scaling.factor={scaling.factor} must be > 0"),
+                (
+                    positive(scaling.factor),
+                    f"model.rope_scaling.factor={scaling.factor} must be a finite number > 0",
+                ),
                 (
                     scaling.original_max_position > 0,
                     f"model.rope_scaling.original_max_position={scaling.original_max_position} must be > 0",
                 ),
                 (
-                    0 < scaling.low_freq_factor < scaling.high_freq_factor,
+                    0 < scaling.low_freq_factor < scaling.high_freq_factor < math.inf,
                     f"model.rope_scaling.low_freq_factor={scaling.low_freq_factor} must be > 0 and below "
                     f"model.rope_scaling.high_freq_factor={scaling.high_freq_factor}",
                 ),
@@ -109,3 +115,8 @@ class ModelArgs:
     def layer_matmul_params(self) -> int:
         attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         return attention + 3 * self.dim * self.ffn_hidden
+
+
+def positive(value: float) -> bool:
+    """A finite number above zero (a config's float may be inf or nan)."""
+    return math.isfinite(value) and value > 0

@@ -235,6 +235,17 @@ def test_warmup_longer_than_the_run_is_trained_and_named(tmp_path: Path) -> None
     assert lrs == pytest.approx([3e-3 / 5, 3e-3 * 2 / 5])
 
 
+def test_warmup_that_leaves_no_step_of_decay_is_named(tmp_path: Path) -> None:
+    """With warmup_steps at steps - 1 the last step trains at the peak (the cosine starts there): the
+    run says that its learning rate does not end at lr * min_lr_ratio."""
+    done = run_script(
+        "train.py", *TINY, CPU, "training.steps=3", "training.warmup_steps=2", f"hydra.run.dir={tmp_path}"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = "training.warmup_steps=2 leaves training.steps=3 no step of decay: the learning rate ends at 0.003"
+    assert said in done.stdout
+
+
 def test_learning_rate_warms_up_then_decays_to_its_floor_at_the_last_step(tmp_path: Path) -> None:
     """Step 1 trains at lr / warmup_steps, the last warm-up step at lr, and the cosine ends at
     lr * min_lr_ratio on the last step trained (not one step after it, which never comes)."""

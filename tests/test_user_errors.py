@@ -3,6 +3,7 @@ schemas are strict, and each error prints as one line once (under torchrun too),
 only under HYDRA_FULL_ERROR=1; a model too large for the device's memory is refused the same way."""
 
 import ast
+import math
 import signal
 import sys
 from pathlib import Path
@@ -163,8 +164,12 @@ def test_presets_pass_the_checks() -> None:
         ("n_kv_heads", 0, "model.n_kv_heads=0 must be > 0"),
         ("dim", -8, "model.dim=-8 must be > 0"),
         ("max_seq_len", 0, "model.max_seq_len=0 must be > 0"),
-        ("norm_eps", 0.0, "model.norm_eps=0.0 must be > 0"),
-        ("rope_theta", -1.0, "model.rope_theta=-1.0 must be > 0"),
+        ("norm_eps", 0.0, "model.norm_eps=0.0 must be a finite number > 0"),
+        ("norm_eps", math.inf, "model.norm_eps=inf must be a finite number > 0"),
+        ("rope_theta", -1.0, "model.rope_theta=-1.0 must be a finite number > 0"),
+        ("rope_theta", math.inf, "model.rope_theta=inf must be a finite number > 0"),
+        ("init_std", math.inf, "model.init_std=inf must be a finite number > 0"),
+        ("init_std", math.nan, "model.init_std=nan must be a finite number > 0"),
     ],
 )
 def test_model_shape_is_checked(field: str, value: float, message: str) -> None:
@@ -175,7 +180,9 @@ def test_model_shape_is_checked(field: str, value: float, message: str) -> None:
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("factor", 0.0, "model.rope_scaling.factor=0.0 must be > 0"),
+        ("factor", 0.0, "model.rope_scaling.factor=0.0 must be a finite number > 0"),
+        ("factor", "inf", "model.rope_scaling.factor=inf must be a finite number > 0"),
+        ("high_freq_factor", "inf", "model.rope_scaling.low_freq_factor=1.0 must be > 0 and below"),
         ("original_max_position", 0, "model.rope_scaling.original_max_position=0 must be > 0"),
         ("low_freq_factor", 4.0, "model.rope_scaling.low_freq_factor=4.0 must be > 0 and below"),
         ("low_freq_factor", 0.0, "model.rope_scaling.low_freq_factor=0.0 must be > 0 and below"),
