@@ -541,7 +541,7 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
                 f"warning: training.warmup_steps={t.warmup_steps} exceeds training.steps={t.steps}: the "
                 f"learning rate stops at {last_lr:.3g} in warm-up, short of training.lr={t.lr:g}"
             )
-        elif t.warmup_steps >= t.steps - 1 and t.min_lr_ratio < 1:  # (the decay starts from the peak)
+        elif t.warmup_steps > 0 and t.warmup_steps >= t.steps - 1 and t.min_lr_ratio < 1:
             log.warning(
                 f"warning: training.warmup_steps={t.warmup_steps} leaves training.steps={t.steps} no step "
                 f"of decay: the learning rate ends at {last_lr:.3g}, not training.lr * training.min_lr_ratio"
