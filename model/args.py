@@ -6,6 +6,11 @@ import math
 from dataclasses import dataclass
 
 
+def positive(value: float) -> bool:
+    """A finite number above zero (a config's float may be inf or nan)."""
+    return math.isfinite(value) and value > 0
+
+
 @dataclass
 class RopeScaling:
     """Llama-3.1 rotary frequency scaling (`rope_type: llama3` in Hugging Face configs)."""
@@ -115,8 +120,3 @@ class ModelArgs:
     def layer_matmul_params(self) -> int:
         attention = self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads)
         return attention + 3 * self.dim * self.ffn_hidden
-
-
-def positive(value: float) -> bool:
-    """A finite number above zero (a config's float may be inf or nan)."""
-    return math.isfinite(value) and value > 0

@@ -81,17 +81,18 @@ class MetricsLog:
         self.file: TextIO | None = None
         self.tensorboard = None
 
-    def _open(self) -> TextIO:
+    def _open(self) -> None:
+        """At the launch's first row: drop the later steps' rows, then open the files it appends to."""
         path = self.run_dir / "metrics.jsonl"
         drop_rows_after(path, self.start_step)
+        self.file = open(path, "a")  # noqa: SIM115 (closed by __exit__)
         if self.summary_writer is not None:
             log_dir = str(self.run_dir / "tensorboard")
             self.tensorboard = self.summary_writer(log_dir=log_dir, purge_step=self.start_step + 1)
-        return open(path, "a")  # closed by __exit__
 
     def write(self, record: dict[str, Any]) -> None:
         if self.file is None:
-            self.file = self._open()
+            self._open()
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         log.info(step_line(record, self.total_steps))
