@@ -155,7 +155,7 @@ def main() -> None:
         if args.sweep:
             for algo in sweep_algos:
                 best = None
-                for warps in (4, 8, 16, 32):
+                for warps in (1, 2, 4, 8, 16, 32):
                     vectors = -(-nbytes // 16)
                     if algo.startswith("two_shot"):
                         vectors = -(-vectors // world)

@@ -422,9 +422,11 @@ def launch_gemm(
             b_descs.append(TensorDescriptor(b.t(), [n, k], [k, 1], [bn, bk]))
         c_descs.append(TensorDescriptor(c, [pw, r, n], [r * n, n, 1], [1, bm, bn // config.epilogue_split]))
         n_tiles.append(triton.cdiv(n, bn))
+    # Unused weight slots get None (a constexpr the kernel never touches past NUM_W): a descriptor
+    # there would cost a TMA encode per launch for nothing.
     unused = MAX_WEIGHTS - len(bs)
-    b_descs += [b_descs[0]] * unused
-    c_descs += [c_descs[0]] * unused
+    b_descs += [None] * unused
+    c_descs += [None] * unused
     n_tiles += [0] * unused
     return launch(
         _ag_matmul_kernel, (num_programs,), own_desc, a_desc, *b_descs, *c_descs,

@@ -112,19 +112,22 @@ LAUNCH: dict[str, tuple[LaunchRow, ...]] = {
         LaunchRow(1 * MiB, 8, 64),
         LaunchRow(1 << 62, 16, 128),
     ),
-    # One step per program (4 warps: 2 KiB) for latency, more warps and programs once there is bandwidth
-    # to fill. Two-shot rows count each rank's chunk. The push kernels have no pad barrier, so their
-    # programs may outnumber the SMs: from the 4x H100 sweep of 4-32 MiB (all_reduce_large_sweep-h100-x4.md)
-    # two-shot push at 256 programs against 128: 16 MiB 86.5 us at 16 warps against 91.1, 32 MiB 162.5 us
-    # at 32 warps against 183.1 (16 warps); the smaller rows are not re-swept yet.
+    # The push kernels have no pad barrier, so their programs may outnumber the SMs. From the 4x H200
+    # sweep of 1-32 warps (all_reduce_sweep-h200-x4.md, 2026-11-28): up to 1 MiB (two-shot) / 128 KiB
+    # (one-shot) one warp per program and one step each, as many programs as that takes (up to 256), is
+    # the fastest launch at every size: 4 KiB 4.2 us at 8 one-warp programs against 6.3 at 2 four-warp
+    # ones, 1 MiB 8.3 us against 10.9 at 64 eight-warp ones. Larger messages want more warps a program.
     "one_shot_push": (
-        LaunchRow(64 * KiB, 4, 32),
-        LaunchRow(1 * MiB, 8, 128),
-        LaunchRow(1 << 62, 16, 128),
+        LaunchRow(128 * KiB, 1, 256),
+        LaunchRow(256 * KiB, 2, 256),
+        LaunchRow(1 * MiB, 4, 256),
+        LaunchRow(4 * MiB, 8, 256),
+        LaunchRow(1 << 62, 32, 256),
     ),
     "two_shot_push": (
-        LaunchRow(256 * KiB, 4, 32),
-        LaunchRow(4 * MiB, 8, 128),
+        LaunchRow(1 * MiB, 1, 256),
+        LaunchRow(4 * MiB, 4, 256),
+        LaunchRow(8 * MiB, 8, 256),
         LaunchRow(16 * MiB, 16, 256),
         LaunchRow(1 << 62, 32, 256),
     ),

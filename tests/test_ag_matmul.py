@@ -182,14 +182,16 @@ def _compile_sm90(world: int, config: ag.GemmConfig, b_kn: bool, num_w: int) -> 
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     b_block = f"[{bk},{bn}]" if b_kn else f"[{bn},{bk}]"
     sig = {"own_desc": f"tensordesc<bf16[1,{bm},{bk}]>", "a_desc": f"tensordesc<bf16[1,{bm},{bk}]>"}
-    sig.update({f"b{i}_desc": f"tensordesc<bf16{b_block}>" for i in range(ag.MAX_WEIGHTS)})
+    sig.update({f"b{i}_desc": f"tensordesc<bf16{b_block}>" for i in range(num_w)})
     c_block = f"[1,{bm},{bn // config.epilogue_split}]"
-    sig.update({f"c{i}_desc": f"tensordesc<bf16{c_block}>" for i in range(ag.MAX_WEIGHTS)})
+    sig.update({f"c{i}_desc": f"tensordesc<bf16{c_block}>" for i in range(num_w)})
     sig.update({"flags_ptr": "*u32", "status_ptr": "*i32", "timeout_ns": "i64"})
     sig.update(dict.fromkeys(["k", "tiles_per_piece", "pieces", "nt0", "nt1", "nt2", "nt3"], "i32"))
     const = {"RANK": world - 1, "WORLD": world, "NUM_W": num_w, "SPLITS": config.splits, "B_KN": b_kn,
              "BM": bm, "BN": bn, "BK": bk, "GROUP_M": config.group_m, "OP_ID": 1, "FENCE": True,
              "FLAT": config.flatten, "EPI": config.epilogue_split}  # fmt: skip
+    # A launch passes None for the weight slots past NUM_W (launch_gemm).
+    const.update({f"{x}{i}_desc": None for x in "bc" for i in range(num_w, ag.MAX_WEIGHTS)})
     return compile_ptx(
         ag._ag_matmul_kernel, sig, const, ("flags_ptr", "status_ptr"),
         num_warps=config.num_warps, num_stages=config.num_stages,

@@ -145,7 +145,8 @@ def check_sm90_ptx() -> None:
     relies on. Runs in a process without TRITON_INTERPRET (the interpreter replaces @triton.jit)."""
     for two_shot in (False, True):
         kernel = _two_shot_push_kernel if two_shot else _one_shot_push_kernel
-        for world, dtype, warps in ((2, torch.float32, 4), (4, torch.bfloat16, 8), (8, torch.float16, 16)):
+        cases = ((2, torch.float32, 4), (4, torch.bfloat16, 1), (4, torch.bfloat16, 2), (8, torch.float16, 16))
+        for world, dtype, warps in cases:
             ptx = _compile_sm90(kernel, two_shot, world, dtype, warps)
             what = f"{kernel.__name__} world {world} {dtype} {warps} warps"
             assert "ld.volatile.global" in ptx and "%globaltimer" in ptx, f"{what}: no bounded spin"
