@@ -96,10 +96,10 @@ class LaunchRow:
     max_blocks: int
 
 
-# First row whose max_bytes >= the message size. From the 2x H200 launch sweep
-# (all_reduce_sweep-h200-x2.md): small messages are fastest with 4 warps and one 16-byte vector per
-# thread spread over as many programs as that takes; from ~64 KiB more warps and up to 64 programs;
-# beyond 1 MiB (bandwidth-bound) up to 128 programs, one per SM.
+# First row whose max_bytes >= the message size. The copy-in kernels' rows, from the 2x H200 launch
+# sweep of 4-32 warps (all_reduce_sweep-h200-x2.md): small messages are fastest with 4 warps and one
+# 16-byte vector per thread spread over as many programs as that takes; from ~64 KiB more warps and up
+# to 64 programs; beyond 1 MiB (bandwidth-bound) up to 128 programs, one per SM.
 LAUNCH: dict[str, tuple[LaunchRow, ...]] = {
     "one_shot": (
         LaunchRow(32 * KiB, 4, 16),

@@ -143,9 +143,10 @@ def _compile_sm90(kernel, two_shot: bool, world: int, dtype: torch.dtype, warps:
 def check_sm90_ptx() -> None:
     """Compile both push kernels for a few (world, dtype, warps) and check the PTX has what the design
     relies on. Runs in a process without TRITON_INTERPRET (the interpreter replaces @triton.jit)."""
+    # 1 and 2 warps: the launch table's rows up to 1 MiB.
+    cases = ((2, torch.float32, 4), (4, torch.bfloat16, 1), (4, torch.bfloat16, 2), (8, torch.float16, 16))
     for two_shot in (False, True):
         kernel = _two_shot_push_kernel if two_shot else _one_shot_push_kernel
-        cases = ((2, torch.float32, 4), (4, torch.bfloat16, 1), (4, torch.bfloat16, 2), (8, torch.float16, 16))
         for world, dtype, warps in cases:
             ptx = _compile_sm90(kernel, two_shot, world, dtype, warps)
             what = f"{kernel.__name__} world {world} {dtype} {warps} warps"
