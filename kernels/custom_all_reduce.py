@@ -115,8 +115,8 @@ LAUNCH: dict[str, tuple[LaunchRow, ...]] = {
     # The push kernels have no pad barrier, so their programs may outnumber the SMs. From the 4x H200
     # sweep of 1-32 warps (all_reduce_sweep-h200-x4.md, 2026-11-28): up to 1 MiB (two-shot) / 128 KiB
     # (one-shot) one warp per program and one step each, as many programs as that takes (up to 256), is
-    # the fastest launch at every size: 4 KiB 4.2 us at 8 one-warp programs against 6.3 at 2 four-warp
-    # ones, 1 MiB 8.3 us against 10.9 at 64 eight-warp ones. Larger messages want more warps a program.
+    # the fastest launch at every size: 4 KiB 4.0 us at 8 one-warp programs against 6.2 at 2 four-warp
+    # ones, 1 MiB 8.4 us against 10.2 at 64 eight-warp ones. Larger messages want more warps a program.
     "one_shot_push": (
         LaunchRow(128 * KiB, 1, 256),
         LaunchRow(256 * KiB, 2, 256),

@@ -144,7 +144,13 @@ def check_sm90_ptx() -> None:
     """Compile both push kernels for a few (world, dtype, warps) and check the PTX has what the design
     relies on. Runs in a process without TRITON_INTERPRET (the interpreter replaces @triton.jit)."""
     # 1 and 2 warps: the launch table's rows up to 1 MiB.
-    cases = ((2, torch.float32, 4), (4, torch.bfloat16, 1), (4, torch.bfloat16, 2), (8, torch.float16, 16))
+    cases = (
+        (2, torch.float32, 4),
+        (4, torch.bfloat16, 1),
+        (4, torch.bfloat16, 2),
+        (4, torch.bfloat16, 8),
+        (8, torch.float16, 16),
+    )
     for two_shot in (False, True):
         kernel = _two_shot_push_kernel if two_shot else _one_shot_push_kernel
         for world, dtype, warps in cases:
