@@ -413,9 +413,13 @@ def check_model_args(path: Path, saved: dict[str, Any] | None, model: torch.nn.M
     differ = [k for k in saved if k not in NOT_COMPARED and current.get(k) != saved[k]]
     if differ:
         detail = ", ".join(f"{k}: saved {saved[k]} vs configured {current.get(k)}" for k in differ[:4])
-        raise ValueError(
-            f"checkpoint {path} was saved for another model shape ({detail}): use its model preset"
+        # A model read from a Hugging Face directory has no preset to name: its shape is that directory's.
+        remedy = (
+            "pass the checkpoint.init_from=<Hugging Face directory> the run started from"
+            if saved.get("name") == "hf"
+            else "use its model preset"
         )
+        raise ValueError(f"checkpoint {path} was saved for another model shape ({detail}): {remedy}")
 
 
 def check_optimizer_state(

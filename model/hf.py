@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from model.args import ModelArgs, RopeScaling
+from model.args import ModelArgs, RopeScaling, positive
 from model.checkpoint import (
     CheckpointWriteError,
     LazyTensors,
@@ -29,7 +29,14 @@ from model.checkpoint import (
     tensor_names,
     write_tensors,
 )
-from model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, read_json, save_tokenizer
+from model.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    generation_settings,
+    read_json,
+    save_tokenizer,
+)
 
 LAYER_NAMES = {
     "self_attn.q_proj": "attention.wq",
@@ -70,13 +77,33 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
     absent = [key for key in required if key not in cfg]
     if absent:
         raise ValueError(f"config.json lacks {', '.join(absent)}: is this a Llama config?")
+
+    # A hand-edited value of the wrong type would otherwise fail deep inside the model's construction.
+    def wrong(key: str, what: str) -> ValueError:
+        return ValueError(f"config.json's {key}={cfg[key]!r} must be {what}: repair config.json")
+
+    for key in sorted({*required, "num_key_value_heads", "max_position_embeddings"} & cfg.keys()):
+        value = cfg[key]
+        if key == "num_key_value_heads" and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise wrong(key, "a positive integer")
+    for key in ("rms_norm_eps", "rope_theta"):
+        value = cfg.get(key, 1.0)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not positive(value):
+            raise wrong(key, "a finite number > 0")
+    if not isinstance(cfg.get("tie_word_embeddings", False), bool):
+        raise wrong("tie_word_embeddings", "true or false")
+    for key in ("rope_scaling", "rope_parameters"):
+        if not isinstance(cfg.get(key), dict | None):
+            raise wrong(key, "an object or null")
     dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     kv_heads = cfg.get("num_key_value_heads") or heads
-    if heads <= 0 or kv_heads <= 0 or heads % kv_heads or dim % heads:
+    if heads % kv_heads or dim % heads or (dim // heads) % 2:
         raise ValueError(
             f"config.json's num_attention_heads={heads}, num_key_value_heads={kv_heads} and "
             f"hidden_size={dim} do not make a Llama (heads a multiple of kv heads, hidden size a multiple "
-            "of heads): repair config.json"
+            "of heads, an even head size for rotary embeddings): repair config.json"
         )
     if cfg.get("head_dim") not in (None, dim // heads):
         raise ValueError(
@@ -125,7 +152,7 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         rope_theta=theta,
         rope_scaling=scaling,
         max_seq_len=cfg.get("max_position_embeddings", 2048),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_embeddings=cfg.get("tie_word_embeddings", False),
     )
 
 
@@ -161,15 +188,17 @@ def interleaved_to_rotate_half(weight: torch.Tensor, n_heads: int) -> torch.Tens
 
 
 def safetensors_files(path: Path) -> list[Path]:
-    """The safetensors files of a Hugging Face directory: those its index lists, or model.safetensors."""
+    """The safetensors files of a Hugging Face directory: model.safetensors, else those its index lists.
+    transformers looks in that order, and `save_pretrained` into a directory that held the other form
+    leaves it behind: both then run the same weights."""
     index = path / "model.safetensors.index.json"
-    if index.is_file():
+    if (path / "model.safetensors").is_file():
+        names = ["model.safetensors"]
+    elif index.is_file():
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{index} has no weight_map: download the checkpoint again")
         names = sorted(set(map(str, weight_map.values())))
-    elif (path / "model.safetensors").is_file():
-        names = ["model.safetensors"]
     else:
         raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
     for name in names:
@@ -213,6 +242,9 @@ def open_hf_checkpoint(path: str | Path) -> tuple[ModelArgs, LazyTensors]:
                 "model.embed_tokens.weight: set tie_word_embeddings to false in config.json to run "
                 "lm_head.weight (as transformers 5 does), or delete lm_head.weight to run the embedding"
             )
+    if args.tie_embeddings and "tok_embeddings.weight" not in sources and "output.weight" in sources:
+        # A tied checkpoint may store the shared matrix under lm_head.weight alone (transformers runs it).
+        sources["tok_embeddings.weight"] = sources["output.weight"]
     if args.tie_embeddings:
         sources.pop("output.weight", None)
     transforms = {}
@@ -406,10 +438,11 @@ def export_hf(
         elif isinstance(tokenizer, ByteTokenizer):
             tokenizer.write_hf_files(tmp)
         # The source's generation_config.json (its end ids and sampling defaults; read from the
-        # tokenizer's own directory, so that an error names that file) wins over config.json's ids.
+        # tokenizer's own directory, so that an error names that file), or where it has none the ids of
+        # its config.json, every end id of a list (`generation_settings`), win over the tokenizer's.
         generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
         source = tokenizer.directory if isinstance(tokenizer, HFTokenizer) else tmp
-        generation.update(read_json(source / "generation_config.json"))
+        generation.update(generation_settings(source))
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
         for file, shard in zip(files, shards, strict=True):
             # transformers refuses a safetensors file whose metadata names no framework.

@@ -200,10 +200,20 @@ def load_tokenizer(directory: str | Path | None) -> Tokenizer:
     return ByteTokenizer()
 
 
+def generation_settings(directory: Path) -> dict:
+    """A Hugging Face directory's generation_config.json, or, where it has none, the begin/end ids of its
+    config.json: the generation config transformers derives from it (with every end id it lists)."""
+    if (directory / "generation_config.json").is_file():
+        return read_json(directory / "generation_config.json")
+    config = read_json(directory / "config.json")
+    return {key: config[key] for key in ("bos_token_id", "eos_token_id") if config.get(key) is not None}
+
+
 def save_tokenizer(tokenizer: Tokenizer, directory: str | Path) -> None:
     """Copy a Hugging Face tokenizer's files into `directory`, its tokenizer_config.json naming the
-    begin/end tokens in use (they may have come from a config.json that is not copied), so that
-    `load_tokenizer(directory)` gives the same ids. The byte tokenizer needs no files."""
+    begin/end tokens in use (they may have come from a config.json that is not copied) and its
+    generation_config.json the end ids (`generation_settings`), so that `load_tokenizer(directory)`
+    gives the same ids and a completion stops where it did. The byte tokenizer needs no files."""
     if not isinstance(tokenizer, HFTokenizer):
         return
     out = Path(directory)
@@ -213,6 +223,10 @@ def save_tokenizer(tokenizer: Tokenizer, directory: str | Path) -> None:
     for name in HF_TOKENIZER_FILES:
         if (tokenizer.directory / name).is_file():
             shutil.copyfile(tokenizer.directory / name, out / name)
+    if not (out / "generation_config.json").is_file():
+        settings = generation_settings(tokenizer.directory)
+        if settings:
+            (out / "generation_config.json").write_text(json.dumps(settings, indent=2))
     config_file = out / "tokenizer_config.json"
     config = read_json(config_file)
     changed = False

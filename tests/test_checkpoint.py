@@ -176,8 +176,12 @@ def test_keep_never_prunes_the_checkpoint_just_written(tmp_path: Path) -> None:
 
 def test_other_shape_fails_clearly(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, 1, tiny_model())
-    with pytest.raises(ValueError, match=r"ffn_hidden: saved 48 vs configured 64"):
+    with pytest.raises(ValueError, match=r"ffn_hidden: saved 48 vs configured 64\): use its model preset"):
         load_checkpoint(latest_checkpoint(tmp_path), tiny_model(ffn_hidden=64))
+    # A model read from a Hugging Face directory has no preset: the remedy names checkpoint.init_from.
+    save_checkpoint(tmp_path / "hf", 1, tiny_model(name="hf"))
+    with pytest.raises(ValueError, match=r"pass the checkpoint\.init_from=<Hugging Face directory> the run"):
+        load_checkpoint(latest_checkpoint(tmp_path / "hf"), tiny_model(ffn_hidden=64))
 
 
 def test_mismatched_tensors_fail_clearly(tmp_path: Path) -> None:

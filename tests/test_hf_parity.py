@@ -157,6 +157,33 @@ def test_tied_hf_model_with_a_stored_lm_head(tmp_path: Path) -> None:
     save_file(state, str(file), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"lm_head\.weight differs from model\.embed_tokens\.weight"):
         weft_from_dir(tmp_path)
+    # The shared matrix stored as lm_head.weight alone: transformers runs it, and so does weft.
+    del state["model.embed_tokens.weight"]
+    save_file(state, str(file), metadata={"format": "pt"})
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    model = weft_from_dir(tmp_path)
+    assert torch.equal(model.tok_embeddings.weight, state["lm_head.weight"])
+    tokens = torch.randint(0, 300, (2, 24))
+    with torch.no_grad():
+        assert (model(tokens) - reference.float().eval()(tokens).logits).abs().max().item() <= 1e-4
+
+
+def test_a_directory_saved_twice_runs_the_file_transformers_runs(tmp_path: Path) -> None:
+    """save_pretrained into a directory that held the other form leaves it behind: a stale index beside
+    model.safetensors (or the reverse). transformers reads model.safetensors first; so does weft."""
+    old, new = hf_model(), hf_model()
+    with torch.no_grad():
+        for param in new.parameters():
+            param.add_(1.0)
+    old.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    new.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").is_file()
+    for path in tmp_path.glob("model-*.safetensors"):  # the index now names files that are gone
+        path.unlink()
+    tokens = torch.randint(0, 300, (2, 24))
+    with torch.no_grad():
+        assert (weft_from_dir(tmp_path)(tokens) - new(tokens).logits).abs().max().item() <= 1e-4
 
 
 def test_config_without_optional_keys_runs_as_transformers_runs_it(tmp_path: Path) -> None:
@@ -259,6 +286,21 @@ def test_export_writes_config_tokenizer_and_refuses_overwrite(tmp_path: Path) ->
         export_hf({k: v for k, v in model.state_dict().items() if k != "norm.weight"}, args, tmp_path / "x")
 
 
+def test_export_keeps_every_end_id_of_a_source_without_generation_config(tmp_path: Path) -> None:
+    """transformers derives a generation config from config.json's ids where a directory has no
+    generation_config.json: the export writes those ids, every end id of a list kept."""
+    args = ModelArgs(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=400, ffn_hidden=48)
+    model = Llama(args)
+    model.init_weights()
+    source = write_hf_tokenizer(tmp_path / "tok")
+    (source / "config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": [1, 2]}))
+    reference = transformers.GenerationConfig.from_model_config(
+        transformers.LlamaConfig(bos_token_id=0, eos_token_id=[1, 2])
+    )
+    out = export_hf(model, args, tmp_path / "hf", tokenizer=load_tokenizer(source))
+    assert transformers.GenerationConfig.from_pretrained(out).eos_token_id == reference.eos_token_id == [1, 2]
+
+
 def test_config_variants_and_unsupported_configs() -> None:
     v4 = {**HF_CONFIG, "rope_scaling": {**HF_CONFIG["rope_scaling"], "type": "llama3"}}
     del v4["rope_scaling"]["rope_type"]
@@ -291,6 +333,29 @@ def test_config_variants_and_unsupported_configs() -> None:
             args_from_hf_config({**HF_CONFIG, **change})
     with pytest.raises(ValueError, match="lacks intermediate_size"):
         args_from_hf_config({k: v for k, v in HF_CONFIG.items() if k != "intermediate_size"})
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"intermediate_size": 200.0}, "intermediate_size=200.0 must be a positive integer"),
+        ({"vocab_size": "300"}, "vocab_size='300' must be a positive integer"),
+        ({"num_hidden_layers": 0}, "num_hidden_layers=0 must be a positive integer"),
+        ({"max_position_embeddings": None}, "max_position_embeddings=None must be a positive integer"),
+        ({"num_key_value_heads": True}, "num_key_value_heads=True must be a positive integer"),
+        ({"rms_norm_eps": "1e-5"}, "rms_norm_eps='1e-5' must be a finite number > 0"),
+        ({"rope_theta": 0}, "rope_theta=0 must be a finite number > 0"),
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings='false' must be true or false"),
+        ({"rope_scaling": "llama3"}, "rope_scaling='llama3' must be an object or null"),
+        ({"hidden_size": 90, "num_attention_heads": 6}, "an even head size"),
+    ],
+)
+def test_a_hand_edited_config_value_is_named(change: dict, reason: str) -> None:
+    """A value of the wrong type or range in config.json gets one line naming the key, not a traceback
+    from inside the model (nor a message naming model.* settings a checkpoint's user cannot change)."""
+    with pytest.raises(ValueError, match=rf"config\.json's .*{reason}") as err:
+        args_from_hf_config({**HF_CONFIG, **change})
+    assert "model." not in str(err.value)
 
 
 def test_hf_directory_checks(tmp_path: Path) -> None:
@@ -328,6 +393,7 @@ def test_broken_or_foreign_directories_are_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"config\.json is not valid JSON \("):
         resolve_checkpoint(hf)
     (hf / "config.json").write_text(json.dumps(config))
+    (hf / "model.safetensors").rename(hf / "model-00001-of-00001.safetensors")  # the index is read
     (hf / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
     with pytest.raises(ValueError, match=r"index\.json has no weight_map"):
         load_hf_checkpoint(hf)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from model.generation_config import stop_ids
 from model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer, save_tokenizer
 
 TEXT = "naïve café ✓ — def f(x): return x"
@@ -87,6 +88,8 @@ def test_hf_special_ids_from_config_files(tmp_path: Path) -> None:
     assert isinstance(reloaded, HFTokenizer)
     assert (reloaded.bos_id, reloaded.eos_id) == (1, 2)
     assert reloaded.encode(TEXT) == tokenizer.encode(TEXT)
+    # ... and every end id config.json lists still ends a completion (the run's generation_config.json).
+    assert stop_ids(tmp_path / "run", reloaded) == stop_ids(directory, tokenizer) == [2, 1]
 
 
 def test_load_tokenizer_picks_by_directory(tmp_path: Path) -> None:
