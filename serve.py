@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from torch.distributed.device_mesh import DeviceMesh
 
-from configs.launch import command_line_overrides, launch, user_errors
+from configs.launch import UserError, command_line_overrides, launch, user_errors
 from configs.schema import ServeConfig
 from configs.validate import (
     SERVE_DTYPES,
@@ -400,10 +401,26 @@ def run(cfg: ServeConfig, run_dir: Path) -> None:
         (run_dir / "bench.md").write_text(table)
 
 
+def forget_refused_launch(run_dir: Path) -> None:
+    """Remove the run directory of a launch refused before it logged anything: Hydra's config copies
+    and an empty serve.log are all it holds. A directory holding anything else stays as it is."""
+    if not run_dir.is_dir():
+        return
+    log_file = run_dir / "serve.log"
+    names = {path.name for path in run_dir.iterdir()}
+    if names <= {".hydra", "serve.log"} and not (log_file.is_file() and log_file.stat().st_size):
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
 @hydra.main(version_base=None, config_path="configs", config_name="serve")
 def main(cfg: ServeConfig) -> None:
-    with user_errors():
-        run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    try:
+        with user_errors():
+            run(cfg, run_dir)
+    except UserError:
+        forget_refused_launch(run_dir)
+        raise
 
 
 if __name__ == "__main__":

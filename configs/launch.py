@@ -58,11 +58,24 @@ def one_line(err: BaseException) -> str:
         group = err.missing_cfg_file.rpartition("/")[0]
         return f"{first}; the choices for {group} are {', '.join(err.options)}"
     if isinstance(err, OverrideParseException):
-        key, _, value = err.override.partition("=")
+        key, equals, value = err.override.partition("=")
+        if not equals:
+            return (
+                f"cannot parse the override {err.override!r}: an override is key=value (+key=value adds a "
+                "key, ~key removes one)"
+            )
+        # Inside Hydra's single quotes a quote is written \' (a quoted value typed already: its quotes
+        # come off first, so that the suggestion parses).
+        if len(value) > 1 and value[0] == value[-1] == "'":
+            value = value[1:-1]
+        value = value.replace("\\'", "'").replace("'", "\\'")
         return (
             f"cannot parse the override {err.override!r} ({first}): a value with brackets, colons, commas, "
             f"quotes or non-ASCII letters goes in single quotes inside the shell's: {key}=\"'{value}'\""
         )
+    if first.startswith("Ambiguous value for argument"):
+        # Hydra reads an unquoted comma as a sweep; its own hint is on the lines one_line drops.
+        return f"{first}: quote the value inside the shell's quotes (key=\"'a, b'\"), or add -m to sweep it"
     if isinstance(err, HydraException) and isinstance(cause, OmegaConfBaseException):
         return f"{first}: {str(cause.msg).split(chr(10))[0]}"
     if isinstance(err, OmegaConfBaseException):
@@ -100,6 +113,16 @@ def null_setting_error(err: BaseException, overrides: list[str]) -> ValueError |
     return None
 
 
+def run_dir_error(err: OSError) -> ValueError:
+    """The user error of Hydra failing to make the run directory (before the task function runs)."""
+    error = ValueError(
+        f"cannot make the run directory {err.filename}: {err.strerror}; set hydra.run.dir to a "
+        "directory you can write"
+    )
+    error.__cause__ = err
+    return error
+
+
 def launch(main: Callable[[], None]) -> None:
     """Join the torchrun group first, so that every rank agrees on one run directory and only rank 0
     writes Hydra's logs and config copies; then run the Hydra `main`, and leave the group after."""
@@ -114,16 +137,15 @@ def launch(main: Callable[[], None]) -> None:
     except UserError as err:
         error = err.__cause__
     except USER_ERRORS as err:  # Hydra's config errors, raised before the task function runs
-        error = err
+        # A FileNotFoundError there is Hydra failing to make the run directory (MissingConfigException is
+        # an OSError too, of no file).
+        making_run_dir = isinstance(err, FileNotFoundError) and err.filename is not None
+        error = run_dir_error(err) if making_run_dir and not _task_started else err
     except OSError as err:
         if _task_started:
             distributed.shutdown()
             raise
-        error = ValueError(
-            f"cannot make the run directory {err.filename}: {err.strerror}; set hydra.run.dir to a "
-            "directory you can write"
-        )
-        error.__cause__ = err
+        error = run_dir_error(err)
     except (AssertionError, AttributeError) as err:
         # OmegaConf cannot merge into a structured setting that is null (debug's model.rope_scaling):
         # its assertion is no bug of the user's command, but the command can be changed.

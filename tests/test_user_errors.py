@@ -249,11 +249,37 @@ def assert_one_error_line(done, text: str) -> None:
             "reads the ${...} in it as an interpolation",
         ),
         ("serve.py", ["mode=generate", "prompt=${model.n_layers}"], "write \\${ for each literal ${"),
+        ("train.py", ["training.steps"], "'training.steps': an override is key=value (+key=value adds"),
+        ("serve.py", ["mode=generate", "prompt=a, b"], "quote the value inside the shell's quotes"),
+        # The suggestion for a quote in the value parses (test_a_suggested_quoting_is_the_text_typed).
+        ("serve.py", ["mode=generate", "prompt=Qu'est"], "inside the shell's: prompt=\"'Qu\\'est'\""),
+        ("serve.py", ["mode=generate", "prompt='Qu'est'"], "inside the shell's: prompt=\"'Qu\\'est'\""),
     ],
 )
 def test_script_prints_one_error_line(tmp_path: Path, script: str, overrides: list[str], text: str) -> None:
     done = run_script(script, *overrides, "device=cpu", f"hydra.run.dir={tmp_path}")
     assert_one_error_line(done, text)
+
+
+def test_a_suggested_quoting_is_the_text_typed() -> None:
+    assert composed("serve", "mode=generate", "prompt='Qu\\'est'").prompt == "Qu'est"
+
+
+def test_a_refused_serve_launch_leaves_no_run_directory(tmp_path: Path) -> None:
+    """serve.py makes a run directory per launch: one refused before it logged anything is removed (as
+    train.py's is); a directory that held anything else stays."""
+    done = run_script(
+        "serve.py", "mode=generate", "max_new_tokens=0", "device=cpu", f"hydra.run.dir={tmp_path / 'a'}"
+    )
+    assert_one_error_line(done, "max_new_tokens=0 must be >= 1")
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "notes.txt").write_text("mine")
+    done = run_script(
+        "serve.py", "mode=generate", "max_new_tokens=0", "device=cpu", f"hydra.run.dir={tmp_path / 'b'}"
+    )
+    assert_one_error_line(done, "max_new_tokens=0 must be >= 1")
+    assert (tmp_path / "b" / "notes.txt").read_text() == "mine"
 
 
 def test_an_escaped_interpolation_is_the_prompt_typed() -> None:
@@ -278,6 +304,13 @@ def test_run_directory_that_cannot_be_made(tmp_path: Path, under: str) -> None:
     done = run_script("train.py", "device=cpu", f"hydra.run.dir={file / under if under else file}")
     assert_one_error_line(done, f"cannot make the run directory {file}")
     assert "set hydra.run.dir to a directory you can write" in done.stderr
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_run_directory_where_none_can_be_made() -> None:
+    """A FileNotFoundError from Hydra's makedirs (a user error type weft knows) names hydra.run.dir too."""
+    done = run_script("train.py", "device=cpu", "hydra.run.dir=/proc/weft_run")
+    assert_one_error_line(done, "cannot make the run directory /proc/weft_run: No such file or directory")
 
 
 @pytest.mark.skipif(
