@@ -119,7 +119,12 @@ class _FusedCrossEntropy(torch.autograd.Function):
         count = valid.sum().clamp(min=1)
         ctx.save_for_backward(logits, targets, lse, valid, count)
         ctx.vocab_start = vocab_start
-        return ((lse - sums[1]) * valid).sum() / count
+        loss = ((lse - sums[1]) * valid).sum() / count
+        # A target outside the vocabulary (and not ignore_index) would count as a logit of 0 and give a
+        # plausible loss: NaN instead, without a host sync (F.cross_entropy raises). Shards are equal.
+        vocab_total = vocab * (dist.get_world_size(group) if group is not None else 1)
+        outside = valid & ((targets < 0) | (targets >= vocab_total))
+        return torch.where(outside.any(), torch.nan, loss)
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
@@ -160,6 +165,8 @@ def fused_cross_entropy(
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     targets = targets.reshape(-1).contiguous()
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be integer class ids, got {targets.dtype}")
     if targets.shape[0] != logits.shape[0]:
         raise ValueError(f"{targets.shape[0]} targets for {logits.shape[0]} rows of logits")
     return _FusedCrossEntropy.apply(logits, targets, group, vocab_start, ignore_index)

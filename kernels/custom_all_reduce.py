@@ -143,8 +143,8 @@ def choose_algorithm(
     push_max_size: int = DEFAULT_PUSH_MAX_SIZE,
 ) -> str:
     """'identity' (world 1), one of ALGORITHMS, or 'nccl' for a message of `nbytes`: the first row of
-    the table that covers `nbytes` and whose kernel takes it (push kernels: up to `push_max_size`);
-    two-shot when no row does."""
+    the table (AUTO_ALGORITHMS where `table` has no rows for this world size and dtype) that covers
+    `nbytes` and whose kernel takes it (push kernels: up to `push_max_size`); two-shot when no row does."""
     if world_size == 1:
         return "identity"
     if (
@@ -155,7 +155,8 @@ def choose_algorithm(
         or nbytes > max_size
     ):
         return "nccl"
-    rows = (AUTO_ALGORITHMS if table is None else table)[world_size][dtype]
+    # A table that leaves out this world size or dtype: the measured defaults serve it.
+    rows = (table or {}).get(world_size, {}).get(dtype) or AUTO_ALGORITHMS[world_size][dtype]
     for max_bytes, algo in rows:
         if nbytes <= max_bytes and (algo not in PUSH_ALGORITHMS or nbytes <= push_max_size):
             return algo
@@ -275,6 +276,8 @@ class CustomAllReduce:
         self, x: torch.Tensor, algo: str = "auto", out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Sum of `x` over the group, in a new tensor (or `out`). algo: auto, nccl, or one of ALGORITHMS."""
+        if algo not in ("auto", "nccl", *ALGORITHMS):  # ("identity" is auto's choice at world 1 only)
+            raise ValueError(f"algo must be auto, nccl or one of {ALGORITHMS}, got {algo!r}")
         chosen = self.algorithm(x) if algo == "auto" else algo
         if out is None:
             out = torch.empty_like(x, memory_format=torch.contiguous_format)

@@ -129,7 +129,9 @@ def pipeline_stages(cache_len: int, splits: int) -> int:
 
 def max_splits(group: int, head_dim: int) -> int:
     """The most splits the combining program takes: MAX_SPLITS, or fewer for a large group x head dim."""
-    return _floor_power_of_2(min(MAX_SPLITS, COMBINE_ELEMENTS // (triton.next_power_of_2(group) * head_dim)))
+    # (At least one: a group x head dim past COMBINE_ELEMENTS runs unsplit.)
+    fit = COMBINE_ELEMENTS // (triton.next_power_of_2(group) * head_dim)
+    return _floor_power_of_2(max(1, min(MAX_SPLITS, fit)))
 
 
 def _floor_power_of_2(n: int) -> int:
@@ -360,6 +362,8 @@ def _check(q, k, v, rope, input_pos, k_cache, v_cache) -> None:
             f"k_cache and v_cache must both be [B, Hkv, L, D], got {tuple(k_cache.shape)} and "
             f"{tuple(v_cache.shape)}"
         )
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must share a dtype, got {k_cache.dtype} and {v_cache.dtype}")
     batch, n_kv_heads, _, head_dim = k_cache.shape
     if head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"decode attention needs a head dim that is a power of two >= 16, got {head_dim}")

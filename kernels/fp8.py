@@ -213,6 +213,8 @@ NORM_ELEMENTS_PER_WARP = 1024
 def row_launch(n_cols: int, per_warp: int | None = None) -> tuple[int, int]:
     """(BLOCK, num_warps) for kernels that keep one whole row in registers, up to 32 warps, with
     `per_warp` (default ELEMENTS_PER_WARP) elements of the row per warp."""
+    if n_cols < 1:
+        raise ValueError(f"rows must have at least one element, got rows of {n_cols} elements")
     block = triton.next_power_of_2(n_cols)
     if block > 65536:
         raise ValueError(

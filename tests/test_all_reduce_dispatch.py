@@ -74,6 +74,15 @@ def test_four_algorithms_by_size_and_push_only_up_to_its_limit() -> None:
     assert choose_algorithm(2 * MiB, 4, BF16, 32 * MiB, only_push, push_max_size=MiB) == "two_shot"
 
 
+def test_a_table_without_this_world_size_or_dtype_falls_back_to_the_defaults() -> None:
+    table = {4: {BF16: ((ANY_SIZE, "two_shot"),)}}
+    assert choose_algorithm(4096, 4, BF16, 64 * MiB, table) == "two_shot"
+    assert choose_algorithm(4096, 4, torch.float32, 64 * MiB, table) == choose_algorithm(
+        4096, 4, torch.float32, 64 * MiB
+    )
+    assert choose_algorithm(4096, 8, BF16, 64 * MiB, table) == choose_algorithm(4096, 8, BF16, 64 * MiB)
+
+
 def test_nccl_beyond_max_size_and_for_what_the_kernels_do_not_cover() -> None:
     assert choose_algorithm(8 * MiB, 4, BF16, max_size=8 * MiB) == "two_shot"
     assert choose_algorithm(8 * MiB + 16, 4, BF16, max_size=8 * MiB) == "nccl"
@@ -182,6 +191,10 @@ def fallback_on_rank(rank: int, world: int) -> None:
             car.all_reduce(x, algo=algo)
     with pytest.raises(ValueError, match="push_max_size must be >= 0"):
         CustomAllReduce(push_max_size=-1)
+    # "identity" is auto's choice at world 1: asked for by name it would return x unsummed.
+    for algo in ("identity", "ring"):
+        with pytest.raises(ValueError, match=f"algo must be auto, nccl or one of .*, got '{algo}'"):
+            car.all_reduce(x, algo=algo)
     y = car(x)
     torch.testing.assert_close(y, torch.arange(24, dtype=torch.float32) * sum(range(1, world + 1)))
     z = torch.ops.weft.symm_all_reduce(x, car.group_name)

@@ -49,6 +49,20 @@ def test_fused_loss_and_gradient(rows: int, vocab: int, dtype: torch.dtype) -> N
     assert rel_err(grad, ref_grad) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
+def test_a_target_outside_the_vocabulary_gives_nan() -> None:
+    """A target outside [0, V) that is not ignore_index (padding as -1, an id off by one) would count as
+    a logit of 0 and give a plausible loss: it gives NaN instead (F.cross_entropy raises), so training
+    stops on it. Float targets are refused."""
+    logits, targets = case(4, 50, torch.float32, seed=2)
+    for bad in (-1, 50):
+        wrong = targets.clone()
+        wrong[1] = bad
+        assert fused(logits, wrong)[0].isnan()
+    assert not fused(logits, targets)[0].isnan()
+    with pytest.raises(ValueError, match=r"targets must be integer class ids, got torch\.float32"):
+        fused_cross_entropy(logits, targets.float())
+
+
 def test_every_target_ignored_gives_zero() -> None:
     """As the vocabulary-parallel loss gives (F.cross_entropy gives NaN: a mean over no tokens)."""
     logits, targets = case(3, 40, torch.float32, seed=1)

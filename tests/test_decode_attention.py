@@ -186,6 +186,20 @@ def test_split_counts(monkeypatch: pytest.MonkeyPatch) -> None:
     assert da.num_splits(1, 1, 2, 64, 8192, cpu) == da.MAX_SPLITS
 
 
+def test_a_group_too_large_to_split_runs_unsplit(poisoned: None) -> None:
+    """80 query heads a kv head at head dim 256: a group x head dim past what the combining program
+    holds (COMBINE_ELEMENTS) runs as one split, not a failed shift by -1."""
+    assert da.max_splits(80, 256) == da.max_splits(256, 128) == 1
+    assert_matches_reference((1, 80, 1, 256, 16, 7), fp8=False)
+
+
+def test_caches_of_two_dtypes_are_refused() -> None:
+    q, k, v, rope, pos, k_cache, v_cache = inputs(2, 4, 2, 16, 8, 3)
+    for fn in (decode_attention, decode_attention_reference):
+        with pytest.raises(ValueError, match="k_cache and v_cache must share a dtype"):
+            fn(q, k, v, rope, pos, k_cache, v_cache.half())
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_no_sequences_give_empty_outputs(fp8: bool) -> None:
     """Batch 0 returns empty outputs (and scales) instead of dividing the cache among no programs."""

@@ -467,6 +467,18 @@ def test_bad_inputs_fail_clearly() -> None:
         swiglu_fp8(bf16(2, 128), per_row)
 
 
+def test_rows_of_no_elements_are_refused() -> None:
+    """The row kernels hold a row in registers: a row of zero columns gets one line, not a Triton error
+    from a block of size 0."""
+    for fn in (
+        lambda: quantize_per_token(bf16(3, 0)),
+        lambda: rmsnorm_fp8(bf16(3, 0), bf16(0), 1e-5, None),
+        lambda: swiglu(bf16(3, 0)),
+    ):
+        with pytest.raises(ValueError, match="rows must have at least one element, got rows of 0"):
+            fn()
+
+
 def test_no_rows_give_an_empty_product() -> None:
     """M = 0 (an empty batch) is an empty [0, N] product, not a crash: the empty per-token a_scale
     once passed for a per-tensor one and was read."""
