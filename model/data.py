@@ -464,14 +464,37 @@ def corpus_tokens(
         named = [str(target)]
         dist.broadcast_object_list(named, src=0, group=group)
         target = Path(named[0])
-        built = build() if dist.get_rank() == 0 else None
-        dist.barrier(group=group)
+        built, failure = _attempt(build) if dist.get_rank() == 0 else (None, None)
+        _raise_on_every_rank(failure, group)
         if built is None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
-            built = build()
-        dist.barrier(group=group)
+            built, failure = _attempt(build)
+        _raise_on_every_rank(failure, group)
         dist.destroy_process_group(group)
     tokens = read_token_file(target, dtype)
     return tokens, built or f"{corpus_name(path, key)}: {tokens.size:,} tokens from {target}"
+
+
+def _attempt(build: Callable[[], str | None]) -> tuple[str | None, ValueError | FileNotFoundError | None]:
+    """(what `build` returned, None), or (None, the user error it raised: a bad line, a file gone)."""
+    try:
+        return build(), None
+    except (ValueError, FileNotFoundError) as err:
+        return None, err
+
+
+def _raise_on_every_rank(failure: ValueError | FileNotFoundError | None, group: dist.ProcessGroup) -> None:
+    """The meeting after a build: if any rank's build met a user error, every rank raises it (the
+    first by rank), so that it prints as one line rather than as the waiting ranks' broken barriers."""
+    told: list[tuple[type, str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(told, None if failure is None else (type(failure), str(failure)), group=group)
+    first = next((item for item in told if item is not None), None)
+    if first is None:
+        return
+    dist.destroy_process_group(group)
+    if failure is not None:
+        raise failure
+    kind, message = first
+    raise kind(message)
 
 
 class PackedDataset:

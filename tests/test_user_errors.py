@@ -344,6 +344,26 @@ def test_torchrun_prints_the_error_once(tmp_path: Path) -> None:
     assert "[rank" not in done.stderr
 
 
+def test_torchrun_prints_a_bad_corpus_once(tmp_path: Path) -> None:
+    """Rank 0 tokenizes while the others wait: its error on a bad line reaches every rank as that error
+    (one line), not as the waiting ranks' broken barrier."""
+    corpus = tmp_path / "bad.jsonl"
+    corpus.write_text('{"text": "hello world"}\n{"body": "x"}\n')
+    done = run_script(
+        "train.py",
+        "training.steps=2",
+        f"data.path={corpus}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "device=cpu",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        torchrun=2,
+    )
+    assert done.returncode != 0
+    assert done.stderr.count("bad.jsonl:2 has no field 'text'") == 1, done.stderr[-3000:]
+    # (torchrun's own summary of the failed workers follows, as for every error under it.)
+    assert "[rank" not in done.stderr and "Connection closed" not in done.stderr, done.stderr[-3000:]
+
+
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_ctrl_c_while_serving_stops_with_one_line(tmp_path: Path, ranks: int) -> None:
     """Ctrl-C during a completion (on every rank, as the terminal and torchrun deliver it) stops with
