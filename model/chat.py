@@ -39,7 +39,7 @@ def read_messages(path: str | Path) -> list[dict]:
     if not file.is_file():
         raise ValueError(f"messages={path}: no such file; give a JSON file holding a list of messages")
     try:
-        messages = json.loads(file.read_text(encoding="utf-8"))
+        messages = json.loads(file.read_text(encoding="utf-8-sig"))  # (-sig: a BOM, as Windows tools write)
     except UnicodeDecodeError as err:
         raise ValueError(f"messages={path} is not UTF-8 text ({err}): save it as UTF-8") from None
     except json.JSONDecodeError as err:
@@ -91,6 +91,17 @@ def compile_template(template: str):  # -> jinja2.Template
     return env.from_string(template)
 
 
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def alias_reasoning(message: dict) -> dict:
+    """`message` with its reasoning, if it has any, also under `thinking` and `reasoning_content`."""
+    reasoning = next((message[key] for key in REASONING_FIELDS if message.get(key) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
 def render_chat(template: str, messages: list[dict], special_tokens: dict[str, str]) -> str:
     """The prompt text of `messages` followed by the assistant's turn header, as
     `apply_chat_template(messages, add_generation_prompt=True, tokenize=False)` renders it; the
@@ -98,8 +109,10 @@ def render_chat(template: str, messages: list[dict], special_tokens: dict[str, s
     fails raises ValueError with its message on one line."""
     import jinja2
 
-    # transformers drops keys whose value is None (templates test for absent keys).
-    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    # transformers drops keys whose value is None (templates test for absent keys), and gives an
+    # assistant's reasoning under each name templates read it by (Qwen3's reasoning_content, gpt-oss's
+    # thinking), whichever of them (or `reasoning`) the message used.
+    messages = [alias_reasoning({k: v for k, v in m.items() if v is not None}) for m in messages]
     try:
         return compile_template(template).render(
             messages=messages, tools=None, documents=None, add_generation_prompt=True, **special_tokens

@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from configs.schema import ParallelConfig, ServeConfig  # noqa: E402
 from model.args import ModelArgs  # noqa: E402
-from model.chat import load_chat_template, render_chat  # noqa: E402
+from model.chat import load_chat_template, read_messages, render_chat  # noqa: E402
 from model.checkpoint import save_checkpoint  # noqa: E402
 from model.generate import Sampling, generate, sample, sample_logits  # noqa: E402
 from model.generation_config import (  # noqa: E402
@@ -187,6 +187,31 @@ def test_chat_matches_apply_chat_template(tokenizer_dir: Path) -> None:
         assert text == reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         expected = reference.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
         assert ours.encode_prompt(text, special_tokens=False) == expected
+
+
+def test_chat_reasoning_reaches_the_template_under_each_name(tokenizer_dir: Path) -> None:
+    """An assistant turn's reasoning, given as reasoning_content, thinking or reasoning, reaches a
+    template that reads reasoning_content (Qwen3's) as apply_chat_template gives it."""
+    ours, reference = HFTokenizer(tokenizer_dir), transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    template = (
+        "{% for m in messages %}<{{ m['role'] }}>{% if m.reasoning_content is defined %}"
+        "[{{ m.reasoning_content }}]{% endif %}{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    for key in ("reasoning_content", "thinking", "reasoning"):
+        messages = [MESSAGES[1], {"role": "assistant", "content": "ok", key: "hmm"}, MESSAGES[1]]
+        text = render_chat(template, messages, ours.special_tokens)
+        assert "[hmm]ok" in text
+        assert text == reference.apply_chat_template(
+            messages, chat_template=template, add_generation_prompt=True, tokenize=False
+        )
+
+
+def test_a_messages_file_with_a_bom_is_read(tmp_path: Path) -> None:
+    """Windows tools (PowerShell 5's Out-File -Encoding utf8) start UTF-8 files with a BOM."""
+    file = tmp_path / "messages.json"
+    file.write_bytes(b"\xef\xbb\xbf" + json.dumps(MESSAGES).encode())
+    assert read_messages(file) == MESSAGES
 
 
 def test_chat_template_errors_are_one_line(tmp_path: Path) -> None:
