@@ -81,7 +81,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import stream_ops
-from kernels.launch import launch
+from kernels.launch import Launcher, Relaunch, launch
 from kernels.symm_mem import (
     DEFAULT_TIMEOUT_S,
     INTERPRETED,
@@ -395,12 +395,13 @@ def launch_gemm(
     config: GemmConfig,
     num_programs: int,
     timeout_ns: int,
+    launcher: Launcher = launch,
 ) -> triton.compiler.CompiledKernel:
-    """Launch the persistent GEMM: outs[i] (viewed [P * W, R, N_i]) = A @ bs[i], A's rows of this rank
-    read from `own` ([P, R, K], contiguous), the other rows from `a_out` (viewed [P * W, R, K]) after
-    flags[src * splits + q] is set (`config.splits` clamped to the row tiles per rank, as
-    `all_gather_matmul_kernel` does). `a_out`'s own rows are neither read nor written. Returns the
-    compiled kernel."""
+    """Launch the persistent GEMM (through `launcher`): outs[i] (viewed [P * W, R, N_i]) = A @ bs[i],
+    A's rows of this rank read from `own` ([P, R, K], contiguous), the other rows from `a_out` (viewed
+    [P * W, R, K]) after flags[src * splits + q] is set (`config.splits` clamped to the row tiles per
+    rank, as `all_gather_matmul_kernel` does). `a_out`'s own rows are neither read nor written.
+    Returns the compiled kernel."""
     if not 1 <= len(bs) <= MAX_WEIGHTS or len(outs) != len(bs):
         raise ValueError(f"1 to {MAX_WEIGHTS} weights with one output each, got {len(bs)} / {len(outs)}")
     kn = {is_kn_layout(b) for b in bs}
@@ -428,7 +429,7 @@ def launch_gemm(
     b_descs += [None] * unused
     c_descs += [None] * unused
     n_tiles += [0] * unused
-    return launch(
+    return launcher(
         _ag_matmul_kernel, (num_programs,), own_desc, a_desc, *b_descs, *c_descs,
         flags, status, timeout_ns, k, triton.cdiv(r, bm), layout.pieces, *n_tiles,
         RANK=rank, WORLD=layout.world, NUM_W=len(bs), SPLITS=config.splits, B_KN=b_kn,
@@ -482,11 +483,13 @@ def run_gemms(
     config: GemmConfig,
     num_sms: int,
     timeout_ns: int,
+    launchers: Sequence[Launcher] | None = None,
 ) -> triton.compiler.CompiledKernel | None:
-    """The GEMM launches of one call (`launch_gemm` with up to MAX_WEIGHTS weights each), one program
-    per SM or per tile where there are fewer tiles. Returns the last launch's compiled kernel."""
+    """The GEMM launches of one call (`launch_gemm` with up to MAX_WEIGHTS weights each, the i-th
+    through launchers[i], default `launch`), one program per SM or per tile where there are fewer
+    tiles. Returns the last launch's compiled kernel."""
     kernel = None
-    for start in range(0, len(bs), MAX_WEIGHTS):
+    for i, start in enumerate(range(0, len(bs), MAX_WEIGHTS)):
         part = slice(start, start + MAX_WEIGHTS)
         tiles = (
             layout.world
@@ -506,6 +509,7 @@ def run_gemms(
             config,
             min(num_sms, tiles),
             timeout_ns,
+            launch if launchers is None else launchers[i],
         )
     return kernel
 
@@ -658,9 +662,11 @@ def _side_stream(device: torch.device) -> _SideStream:
     return side
 
 
-def _run_barrier(buf: SymmBuffer, timeout_ns: int, stream: torch.cuda.Stream | None = None) -> None:
-    """The entry / exit barrier on `stream` (default: the current stream)."""
-    launch(
+def _run_barrier(
+    buf: SymmBuffer, timeout_ns: int, stream: torch.cuda.Stream | None = None, launcher: Launcher = launch
+) -> None:
+    """The entry / exit barrier on `stream` (default: the current stream), launched by `launcher`."""
+    launcher(
         _barrier_kernel, (1,), buf.signal_pad_ptrs_dev, buf.epoch, buf.status, timeout_ns,
         RANK=buf.rank, WORLD=buf.world_size, OP_ID=OP, num_warps=1, stream=stream,
     )  # fmt: skip
@@ -711,6 +717,78 @@ def check(group: dist.ProcessGroup | None = None) -> None:
         check_status(get_symm_buffer(group, nbytes, tag=BUFFER_TAG), "all_gather_matmul")
 
 
+@dataclasses.dataclass
+class _CallPlan:
+    """What every call of one shape does the same (host work done once per shape): the buffer, config,
+    the copies as raw offsets and the launches, which skip launch.py's key after their first call.
+
+    `peer_copies`: per (peer, split), in queue order, the ranges (offset in the gathered `a`, peer
+    rank, offset in its shard, bytes) and the flag's byte offset; `own_copies`: (offset in `a`, offset
+    in the shard, bytes) of this rank's rows."""
+
+    buf: SymmBuffer
+    layout: GatherLayout
+    config: GemmConfig
+    timeout_ns: int
+    nbytes: int
+    gathered_shape: list[int]
+    out_shapes: list[list[int]]
+    peer_copies: list[tuple[list[tuple[int, int, int, int]], int]]
+    own_copies: tuple[tuple[int, int, int], ...]
+    programs: int
+    side_barrier: Relaunch = dataclasses.field(default_factory=Relaunch)
+    exit_barrier: Relaunch = dataclasses.field(default_factory=Relaunch)
+    gemms: list[Relaunch] = dataclasses.field(default_factory=list)
+
+
+# (group name, shard shape, dim, weights' shapes and strides, config, timeout) -> the call's plan.
+_PLANS: dict[tuple, _CallPlan] = {}
+MAX_PLANS = 256  # call shapes kept; past it the plans are dropped and made again as met
+
+
+def _call_plan(
+    shard_shape: tuple[int, ...], bs: Sequence[torch.Tensor], dim: int, group: dist.ProcessGroup,
+    config: GemmConfig | None, timeout_s: float, element_size: int,
+) -> _CallPlan:  # fmt: skip
+    key = (
+        group.group_name, shard_shape, dim, tuple((tuple(b.shape), b.stride()) for b in bs), config,
+        timeout_s,
+    )  # fmt: skip
+    plan = _PLANS.get(key)
+    if plan is not None:
+        return plan
+    world = dist.get_world_size(group)
+    layout = gather_layout(shard_shape, dim, world)
+    nbytes = math.prod(shard_shape) * element_size
+    if torch.cuda.is_current_stream_capturing() and size_class(buffer_bytes(nbytes)) not in _PREPARED.get(
+        group.group_name, ()
+    ):
+        raise RuntimeError(
+            f"all_gather_matmul: no symmetric buffer for {nbytes}-byte shards yet, and allocating one "
+            "is collective: run one eager call with these shapes before capturing the CUDA graph"
+        )
+    buf = prepare(group, nbytes)
+    cfg = resolve_config(layout, bs, config)
+    rank, splits = buf.rank, cfg.splits
+    peer_copies = []
+    for step in range(1, world):
+        src = (rank + step) % world
+        for q, ranges in enumerate(row_copies(layout, cfg.block_m, splits, src, element_size)):
+            flag = 4 * (src * splits + q)
+            peer_copies.append(([(to, src, start, count) for to, start, count in ranges], flag))
+    gathered = layout.gathered_shape(shard_shape, dim)
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    plan = _PLANS[key] = _CallPlan(
+        buf=buf, layout=layout, config=cfg, timeout_ns=int(timeout_s * 1e9), nbytes=nbytes,
+        gathered_shape=gathered, out_shapes=[[*gathered[:-1], b.shape[1]] for b in bs],
+        peer_copies=peer_copies, own_copies=row_copies(layout, cfg.block_m, 1, rank, element_size)[0],
+        programs=gemm_programs(torch.device("cuda", torch.cuda.current_device())),
+    )  # fmt: skip
+    plan.gemms = [Relaunch() for _ in range(0, len(bs), MAX_WEIGHTS)]
+    return plan
+
+
 def all_gather_matmul_kernel(
     a_shard: torch.Tensor,
     bs: Sequence[torch.Tensor],
@@ -720,56 +798,46 @@ def all_gather_matmul_kernel(
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The kernel path (callers check `fallback_reason` first): see the module docstring."""
-    world = dist.get_world_size(group)
     dim %= a_shard.dim()
-    layout = gather_layout(a_shard.shape, dim, world)
+    plan = _call_plan(tuple(a_shard.shape), bs, dim, group, config, timeout_s, a_shard.element_size())
+    buf, layout, cfg = plan.buf, plan.layout, plan.config
     shard = a_shard.contiguous().view(layout.pieces, layout.rows, layout.k)
-    nbytes = shard.numel() * shard.element_size()
     capturing = torch.cuda.is_current_stream_capturing()
-    if capturing and size_class(buffer_bytes(nbytes)) not in _PREPARED.get(group.group_name, ()):
-        raise RuntimeError(
-            f"all_gather_matmul: no symmetric buffer for {nbytes}-byte shards yet, and allocating one "
-            "is collective: run one eager call with these shapes before capturing the CUDA graph"
-        )
-    buf = prepare(group, nbytes)
     region = region_offset(buf.nbytes, next_region((group.group_name, buf.nbytes), capturing))
-    rank = buf.rank
-    cfg = resolve_config(layout, bs, config)
-    splits = cfg.splits
-    timeout_ns = int(timeout_s * 1e9)
 
     device = a_shard.device
     main = torch.cuda.current_stream(device)
     side = _side_stream(device)
-    a = torch.empty(layout.gathered_shape(a_shard.shape, dim), dtype=a_shard.dtype, device=device)
-    outs = [torch.empty((*a.shape[:-1], b.shape[1]), dtype=a.dtype, device=device) for b in bs]
-    flags = torch.zeros(world * splits, dtype=torch.uint32, device=device)
+    a = torch.empty(plan.gathered_shape, dtype=a_shard.dtype, device=device)
+    outs = [torch.empty(shape, dtype=a.dtype, device=device) for shape in plan.out_shapes]
+    flags = torch.zeros(layout.world * cfg.splits, dtype=torch.uint32, device=device)
     if shard.data_ptr() % 16:  # the GEMM's TMA descriptor of the own rows needs a 16-byte aligned base
         shard = shard.clone()
     side.fork(main)  # the shard and the zeroed flags are ready
     # The copies are queued before the GEMM that waits for them, so that launches serialised by a
     # tool (CUDA_LAUNCH_BLOCKING=1, a profiler) cannot leave the GEMM spinning on copies not yet queued.
-    copies, size = side.stream.cuda_stream, shard.element_size()
+    copies = side.stream.cuda_stream
     regions = [address + region for address in buf.addresses]
     a_ptr, shard_ptr, flags_ptr = a.data_ptr(), shard.data_ptr(), flags.data_ptr()
-    stream_ops.copy(copies, regions[rank], shard_ptr, nbytes)
-    _run_barrier(buf, timeout_ns, side.stream)  # every peer's shard is in its buffer
-    for step in range(1, world):
-        src = (rank + step) % world
-        for q, ranges in enumerate(row_copies(layout, cfg.block_m, splits, src, size)):
-            for to, start, count in ranges:
-                stream_ops.copy(copies, a_ptr + to, regions[src] + start, count)
-            # After the split's copies (the write fences): no kernel, and captured into CUDA graphs.
-            stream_ops.write(copies, flags_ptr + 4 * (src * splits + q), 1)
+    stream_ops.copy(copies, regions[buf.rank], shard_ptr, plan.nbytes)
+    _run_barrier(buf, plan.timeout_ns, side.stream, plan.side_barrier)  # every peer's shard is in its buffer
+    for ranges, flag in plan.peer_copies:
+        for to, src, start, count in ranges:
+            stream_ops.copy(copies, a_ptr + to, regions[src] + start, count)
+        # After the split's copies (the write fences): no kernel, and captured into CUDA graphs.
+        stream_ops.write(copies, flags_ptr + flag, 1)
     # This rank's rows of the result, last: nothing waits for them but the end of the call.
-    for to, start, count in row_copies(layout, cfg.block_m, 1, rank, size)[0]:
+    for to, start, count in plan.own_copies:
         stream_ops.copy(copies, a_ptr + to, shard_ptr + start, count)
     # The GEMM starts at once on this rank's rows (read from the shard itself) while the side stream
     # copies the shard in, meets the peers and pulls theirs.
-    run_gemms(shard, a, layout, bs, outs, flags, buf.status, rank, cfg, gemm_programs(device), timeout_ns)
+    run_gemms(
+        shard, a, layout, bs, outs, flags, buf.status, buf.rank, cfg, plan.programs, plan.timeout_ns,
+        plan.gemms,
+    )  # fmt: skip
     side.join(main)
     if capturing:  # eager calls need no exit barrier (module docstring)
-        _run_barrier(buf, timeout_ns)
+        _run_barrier(buf, plan.timeout_ns, launcher=plan.exit_barrier)
     return a, outs
 
 

@@ -18,11 +18,16 @@ Triton's dispatch and in 54.3 / 54.2 / 51.4 ms through this, alternating in one 
 plus the current device. A key met for the first time launches through `kernel[grid]`, which compiles
 or finds the kernel as usual. Under the interpreter (TRITON_INTERPRET=1) every call goes through
 `kernel[grid]`.
+
+A call site whose launches differ only in their tensors and descriptors (a comm kernel's per-shape
+call plan) keeps a `Relaunch` and calls it as it would call `launch`: after the first launch it skips
+the key as well, which leaves binding the arguments and Triton's launcher.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +36,7 @@ from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 Grid = tuple[int] | tuple[int, int] | tuple[int, int, int]
+Launcher = Callable[..., Any]  # `launch` or a `Relaunch`
 
 _I32 = (-(2**31), 2**31)
 _I64_MAX = 2**63
@@ -106,6 +112,14 @@ def launch(
         with torch.cuda.stream(stream):
             compiled = _COMPILED[key] = kernel[grid](*args, **kwargs)
         return compiled
+    _run(compiled, grid, values, stream, driver, device)
+    return compiled
+
+
+def _run(
+    compiled: Any, grid: Grid, values: list[Any], stream: torch.cuda.Stream | None, driver: Any, device: int
+) -> None:
+    """The compiled kernel's own launcher, on `stream` (default: the current stream)."""
     grid3 = (*grid, 1, 1)[:3]
     handle = stream.cuda_stream if stream is not None else driver.get_current_stream(device)
     hooks = knobs.runtime
@@ -114,4 +128,41 @@ def launch(
         compiled.launch_metadata(grid3, handle, *values), hooks.launch_enter_hook, hooks.launch_exit_hook,
         *values,
     )  # fmt: skip
-    return compiled
+
+
+class Relaunch:
+    """The launches of one call site of one kernel on one device, whose tensors and descriptors keep
+    their dtypes and block shapes (the caller's word): the first goes through `launch`; a later one
+    whose other arguments and options equal the first's, and whose tensors are 16-byte aligned, runs
+    the first's compiled kernel directly (no key), with its own tensors and descriptors; any other goes
+    through `launch`. Called as `launch` is."""
+
+    def __init__(self) -> None:
+        self.compiled: Any = None
+        self.fixed: tuple = ()
+
+    def __call__(
+        self, kernel: Any, grid: Grid, *args: Any, stream: torch.cuda.Stream | None = None, **kwargs: Any
+    ) -> Any:
+        if self.compiled is None:
+            self.compiled = launch(kernel, grid, *args, stream=stream, **kwargs)
+            if self.compiled is not None:  # compiled (not the interpreter)
+                values, options = _SIGNATURES[kernel].bind(args, kwargs)
+                self.fixed = self._fixed(kernel, values, options)
+            return self.compiled
+        values, options = _SIGNATURES[kernel].bind(args, kwargs)
+        if self._fixed(kernel, values, options) != self.fixed or any(
+            isinstance(v, torch.Tensor) and v.data_ptr() % 16 for v in values
+        ):
+            return launch(kernel, grid, *args, stream=stream, **kwargs)
+        driver = triton.runtime.driver.active
+        _run(self.compiled, grid, values, stream, driver, driver.get_current_device())
+        return self.compiled
+
+    @staticmethod
+    def _fixed(kernel: Any, values: list[Any], options: tuple) -> tuple:
+        """What must not change between launches: the kernel, device, options and every argument but
+        the tensors and descriptors."""
+        device = triton.runtime.driver.active.get_current_device()
+        kept = tuple(v for v in values if not isinstance(v, (torch.Tensor, TensorDescriptor)))
+        return (kernel, device, options, kept)

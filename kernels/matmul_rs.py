@@ -99,6 +99,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import stream_ops
 from kernels.ag_matmul import is_kn_layout
+from kernels.launch import Launcher, Relaunch
 from kernels.launch import launch as launch_kernel
 from kernels.symm_mem import (
     DEFAULT_TIMEOUT_S,
@@ -483,13 +484,15 @@ def launch(
     num_programs: int,
     timeout_ns: int,
     part: str = "both",
+    launchers: tuple[Launcher, Launcher] = (launch_kernel, launch_kernel),
 ) -> tuple[triton.compiler.CompiledKernel, ...]:
     """Launch the stage and/or own launch (`part`: "stage", "own" or "both") of this rank's call:
     `out` ([P, R, N], contiguous) = this rank's rows of the sum over ranks of `a` ([P, W, R, K],
     contiguous) @ `b`, each launch with at most `num_programs` programs. The own launch follows the
     call's stage launch on the same stream (programmatic dependent launch where compiled), whether
     launched with it or on its own after the copies have been queued (`_GroupState`), which are the
-    caller's. Returns the compiled kernels, in launch order."""
+    caller's. `launchers`: what launches the stage and the own kernel. Returns the compiled kernels, in
+    launch order."""
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     p, w, r, k, n = layout.pieces, layout.world, layout.rows, layout.k, layout.n
     if tuple(a.shape) != (p, w, r, k) or not a.is_contiguous():
@@ -524,7 +527,7 @@ def launch(
         credits = buffers.credits is not None
         credits_ptr = buffers.credits if credits else buffers.counters  # unused without credits
         credited_ptr = buffers.credited if credits else buffers.counters
-        stage = launch_kernel(
+        stage = launchers[0](
             _matmul_rs_stage_kernel, (min(num_programs, (w - 1) * per_dest),),
             a_desc, b_desc, buffers.staging, buffers.counters, credits_ptr, credited_ptr, buffers.status,
             timeout_ns, k, r, n, p, chunks,
@@ -533,7 +536,7 @@ def launch(
         kernels += (stage,)
     if part in ("own", "both"):
         after_stage = not INTERPRETED
-        own = launch_kernel(
+        own = launchers[1](
             _matmul_rs_own_kernel, (min(num_programs, per_dest),),
             a_desc, b_desc, out, buffers.received, buffers.flags, buffers.status, timeout_ns, k, r, n, p,
             chunks, OP_ID=OP, AFTER_STAGE=after_stage, SPIN=not INTERPRETED,
@@ -744,11 +747,13 @@ def copy_plan(
 
 @dataclasses.dataclass(frozen=True)
 class _CopyPlan:
-    """A call shape's buffers and its `copy_plan`, computed once."""
+    """A call shape's buffers, its `copy_plan` (computed once) and the launchers of its stage and own
+    kernels (which skip launch.py's key after their first call)."""
 
     buffers: CallBuffers
     steps: tuple[tuple[CopyOp, ...], ...]
     grants: tuple[int, ...]
+    launchers: tuple[Relaunch, Relaunch] = dataclasses.field(default_factory=lambda: (Relaunch(), Relaunch()))
 
 
 class _GroupState:
@@ -910,13 +915,13 @@ def matmul_reduce_scatter_kernel(
     num_sms = sm_count(a.device)
     plan = state.plan(layout, cfg, data)
     stream = torch.cuda.current_stream()
-    args = (a4, b, out.view(layout.pieces, layout.rows, layout.n), layout, plan.buffers, dist.get_rank(group),
-            cfg)  # fmt: skip
+    args = (a4, b, out.view(layout.pieces, layout.rows, layout.n), layout, plan.buffers, state.rank, cfg)
     programs, timeout_ns = grid_size(layout, cfg, num_sms), int(timeout_s * 1e9)
     state.start(stream)
-    launch(*args, programs, timeout_ns, part="stage")
+    launch(*args, programs, timeout_ns, part="stage", launchers=plan.launchers)
     state.copy(plan)
-    launch(*args, own_programs(programs, num_sms, state.shares_gpu), timeout_ns, part="own")
+    own = own_programs(programs, num_sms, state.shares_gpu)
+    launch(*args, own, timeout_ns, part="own", launchers=plan.launchers)
     state.finish(stream, plan)
     return out
 

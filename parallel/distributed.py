@@ -105,6 +105,7 @@ def hydra_overrides_for_rank() -> list[str]:
 # it was loaded: importing the kernels costs seconds).
 _REGISTRIES = (
     ("parallel.comm", ("_BY_GROUP",)),
+    ("kernels.ag_matmul", ("_PLANS",)),
     ("kernels.custom_all_reduce", ("_REGISTRY",)),
     ("kernels.symm_mem", ("_CACHE", "_CHECKED")),
 )

@@ -1,7 +1,9 @@
 """kernels/launch.py: its key is at least as fine as Triton's own specialization (two arguments it
 cannot tell apart, Triton cannot either), its binding orders arguments as the compiled launcher takes
 them, and a launch computes what `kernel[grid]` computes: on CPU through the interpreter, on a GPU
-through the compiled kernel's launcher, across calls that reuse the key and calls that change it."""
+through the compiled kernel's launcher, across calls that reuse the key and calls that change it; a
+`Relaunch` computes the same, its later launches skipping the key only where nothing but the tensors
+changed."""
 
 import itertools
 
@@ -14,7 +16,7 @@ from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.launch import _Signature, _spec, launch
+from kernels.launch import Relaunch, _Signature, _spec, launch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -69,10 +71,10 @@ def test_binding_orders_every_parameter_and_splits_off_the_options() -> None:
 add_kernel = triton.jit(_add)
 
 
-def _run(n: int, twice: bool, offset: int = 0) -> None:
+def _run(n: int, twice: bool, offset: int = 0, launcher=launch) -> None:
     x, y = (torch.randn(n + offset, device=DEVICE)[offset:] for _ in range(2))
     out = torch.full_like(x, float("nan"))
-    launch(add_kernel, (triton.cdiv(n, 128),), x, y, out, n, 0.5, BLOCK=128, TWICE=twice, num_warps=4)
+    launcher(add_kernel, (triton.cdiv(n, 128),), x, y, out, n, 0.5, BLOCK=128, TWICE=twice, num_warps=4)
     expected = (x + 0.5 * y) * (2 if twice else 1)
     torch.testing.assert_close(out, expected)
 
@@ -99,3 +101,14 @@ def test_compiled_launches_reuse_and_change_keys_on_the_gpu() -> None:
         launch(add_kernel, (40,), x, y, out, 5000, 1.0, BLOCK=128, num_warps=4, stream=side)
     torch.cuda.current_stream().wait_stream(side)
     torch.testing.assert_close(out, x + y)
+
+
+def test_relaunch_computes_what_the_kernel_computes_as_its_arguments_change() -> None:
+    # One Relaunch sees fresh tensors (the fast path on a GPU), then an n, a constexpr and an alignment
+    # the first launch was not compiled for (each must go through `launch`), then the first again.
+    relaunch = Relaunch()
+    first = (1024, False, 0)
+    for n, twice, offset in (first, first, first, (1000, False, 0), (1024, True, 0), (1024, False, 1), first):
+        _run(n, twice, offset, relaunch)
+    if DEVICE == "cuda":
+        assert relaunch.compiled is not None
