@@ -64,7 +64,9 @@ What runs where (decided here, and what comm.py's triton path gets):
   dtype, world size, a gather on the last dim, misaligned K or N), `fallback_reason` says why;
 * an error for what no path can do: CPU tensors on the triton path, mismatched shapes or dtypes.
 The first call for a shard size allocates the symmetric buffer (collective): call `prepare` (or one
-eager call) before capturing a CUDA graph.
+eager call) before capturing a CUDA graph. The first call of each shape also makes its plan (`_CallPlan`:
+buffer, config, copy offsets, launchers), so that later calls of an eager training step spend their host
+time on allocating, queueing and launching only.
 """
 
 from __future__ import annotations
