@@ -743,17 +743,17 @@ class _CallPlan:
     gemms: list[Relaunch] = dataclasses.field(default_factory=list)
 
 
-# (group name, shard shape, dim, weights' shapes and strides, config, timeout) -> the call's plan.
+# (group name, shard shape and dtype, dim, weights' shapes and strides, config, timeout) -> the call's plan.
 _PLANS: dict[tuple, _CallPlan] = {}
 MAX_PLANS = 256  # call shapes kept; past it the plans are dropped and made again as met
 
 
 def _call_plan(
     shard_shape: tuple[int, ...], bs: Sequence[torch.Tensor], dim: int, group: dist.ProcessGroup,
-    config: GemmConfig | None, timeout_s: float, element_size: int,
+    config: GemmConfig | None, timeout_s: float, dtype: torch.dtype,
 ) -> _CallPlan:  # fmt: skip
     key = (
-        group.group_name, shard_shape, dim, tuple((tuple(b.shape), b.stride()) for b in bs), config,
+        group.group_name, shard_shape, dtype, dim, tuple((tuple(b.shape), b.stride()) for b in bs), config,
         timeout_s,
     )  # fmt: skip
     plan = _PLANS.get(key)
@@ -761,6 +761,7 @@ def _call_plan(
         return plan
     world = dist.get_world_size(group)
     layout = gather_layout(shard_shape, dim, world)
+    element_size = dtype.itemsize
     nbytes = math.prod(shard_shape) * element_size
     if torch.cuda.is_current_stream_capturing() and size_class(buffer_bytes(nbytes)) not in _PREPARED.get(
         group.group_name, ()
@@ -801,7 +802,7 @@ def all_gather_matmul_kernel(
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The kernel path (callers check `fallback_reason` first): see the module docstring."""
     dim %= a_shard.dim()
-    plan = _call_plan(tuple(a_shard.shape), bs, dim, group, config, timeout_s, a_shard.element_size())
+    plan = _call_plan(tuple(a_shard.shape), bs, dim, group, config, timeout_s, a_shard.dtype)
     buf, layout, cfg = plan.buf, plan.layout, plan.config
     shard = a_shard.contiguous().view(layout.pieces, layout.rows, layout.k)
     capturing = torch.cuda.is_current_stream_capturing()
