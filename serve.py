@@ -50,7 +50,7 @@ from model.decode import (
 )
 from model.fp8 import Fp8Kernels, check_fp8_device
 from model.generate import DecodeStep, Sampling, decode_tokens, prefill
-from model.generation_config import resolve_sampling, stop_ids, unapplied_settings
+from model.generation_config import resolve_max_new_tokens, resolve_sampling, stop_ids, unapplied_settings
 from model.llama import Llama
 from model.loading import checkpoint_tokenizer, resolve_init_weights, tokenizer_dir
 from model.memory import check_serving_fits
@@ -229,6 +229,7 @@ class Completion:
     echo: str
     sampling: Sampling
     stop_ids: list[int]
+    max_new_tokens: int
 
 
 def prepare_completion(cfg: ServeConfig, checkpoint: Path | None, args: ModelArgs) -> Completion:
@@ -268,9 +269,11 @@ def prepare_completion(cfg: ServeConfig, checkpoint: Path | None, args: ModelArg
             f"the prompt holds token id {max(ids)}, outside the model's vocabulary of {args.vocab_size}: "
             "the tokenizer does not match the model"
         )
-    if len(ids) + cfg.max_new_tokens > args.max_seq_len:
+    max_new_tokens = resolve_max_new_tokens(directory, cfg.max_new_tokens)
+    if len(ids) + max_new_tokens > args.max_seq_len:
+        where = "" if cfg.max_new_tokens is not None else f" (from {directory / 'generation_config.json'})"
         raise ValueError(
-            f"prompt ({len(ids)} tokens) + max_new_tokens={cfg.max_new_tokens} exceeds model.max_seq_len="
+            f"prompt ({len(ids)} tokens) + max_new_tokens={max_new_tokens}{where} exceeds model.max_seq_len="
             f"{args.max_seq_len}: shorten the prompt or lower max_new_tokens"
         )
     sampling = resolve_sampling(directory, cfg.temperature, cfg.top_k, cfg.top_p)
@@ -280,7 +283,7 @@ def prepare_completion(cfg: ServeConfig, checkpoint: Path | None, args: ModelArg
             f"warning: {directory / 'generation_config.json'} sets {', '.join(unapplied)}, which weft does "
             "not apply: the completion can differ from transformers' generate"
         )
-    return Completion(tokenizer, ids, echo, sampling, stop_ids(directory, tokenizer))
+    return Completion(tokenizer, ids, echo, sampling, stop_ids(directory, tokenizer), max_new_tokens)
 
 
 def print_while_read(text: str, end: str = "") -> bool:
@@ -308,7 +311,7 @@ def stream_completion(model: Llama, completion: Completion, cfg: ServeConfig, de
     steps = decode_tokens(
         model,
         prompt,
-        cfg.max_new_tokens,
+        completion.max_new_tokens,
         completion.sampling,
         completion.stop_ids,
         cfg.cuda_graphs,
@@ -378,7 +381,7 @@ def run(cfg: ServeConfig, run_dir: Path) -> None:
         shrink = "lower batch_size, prompt_len or decode_steps"
     else:
         batch, prompt_len = 1, len(completion.prompt_ids)
-        cache_len = prompt_len + cfg.max_new_tokens
+        cache_len = prompt_len + completion.max_new_tokens
         shrink = "shorten the prompt or lower max_new_tokens"
     check_serving_fits(args, dims.tp, cfg.dtype, batch, prompt_len, cache_len, device, shrink)
     mesh = build_mesh(dims, device.type) if dims.tp > 1 else None

@@ -171,8 +171,9 @@ class ServeConfig:
     # chat template instead of `prompt` (implies chat=true).
     messages: str | None = None
     # generate: new tokens at most; decoding also stops at any end id of the checkpoint (tokenizer,
-    # config.json and generation_config.json eos_token_id).
-    max_new_tokens: int = 64
+    # config.json and generation_config.json eos_token_id). Unset (null): the checkpoint's
+    # generation_config.json max_new_tokens, else 64.
+    max_new_tokens: int | None = None
     # Sampling (generate). Unset (null): the checkpoint's generation_config.json (its values when it sets
     # do_sample, transformers' defaults top_k=50, top_p=1 for those it leaves out), else greedy.
     # temperature 0 is greedy.

@@ -200,7 +200,7 @@ def validate_serve_config(cfg: ServeConfig) -> None:
     checks = [
         one_of("mode", cfg.mode, SERVE_MODES),
         path_or_null("checkpoint", cfg.checkpoint),
-        at_least("max_new_tokens", cfg.max_new_tokens, 1),
+        at_least("max_new_tokens", 1 if cfg.max_new_tokens is None else cfg.max_new_tokens, 1),
         at_least("batch_size", cfg.batch_size, 1),
         at_least("prompt_len", cfg.prompt_len, 1),
         at_least("decode_steps", cfg.decode_steps, 1),

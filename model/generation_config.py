@@ -10,6 +10,8 @@ from model.tokenizer import Tokenizer, read_json
 
 # transformers' top_k when generation_config.json asks for sampling without naming one.
 TRANSFORMERS_TOP_K = 50
+# New tokens at most where neither serve.py's max_new_tokens nor generation_config.json's is set.
+DEFAULT_MAX_NEW_TOKENS = 64
 # generation_config.json settings by which transformers' generate would choose other tokens (or stop
 # elsewhere) and that weft does not apply, with the value that leaves each off.
 UNAPPLIED_SETTINGS = {
@@ -59,6 +61,23 @@ def default_sampling(directory: Path | None) -> Sampling:
         top_k=TRANSFORMERS_TOP_K if top_k is None else int(top_k),
         top_p=1.0 if top_p is None else float(top_p),
     )
+
+
+def resolve_max_new_tokens(directory: Path | None, given: int | None) -> int:
+    """New tokens at most: `given`, else generation_config.json's max_new_tokens (as transformers' generate
+    takes it), else DEFAULT_MAX_NEW_TOKENS. Checked: ValueError naming the file."""
+    if given is not None:
+        return given
+    file = directory / "generation_config.json" if directory is not None else None
+    value = read_json(file).get("max_new_tokens") if file is not None else None
+    if value is None:
+        return DEFAULT_MAX_NEW_TOKENS
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{file} sets max_new_tokens={value!r}, not a whole number >= 1: fix the file or give "
+            "max_new_tokens=N"
+        )
+    return value
 
 
 def unapplied_settings(directory: Path | None) -> list[str]:

@@ -5,6 +5,7 @@ sampling filters as transformers' warpers; `serve.py mode=generate` prints Llama
 greedy completion, stopping at the first of several stop ids, alone and with tensor parallelism."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -423,6 +424,28 @@ def test_generate_inputs_are_checked_before_the_model_is_built(tmp_path: Path) -
         prepare_completion(serve_config(str(hf), messages=str(messages)), hf, args)
     with pytest.raises(ValueError, match=r"exceeds model.max_seq_len=256"):
         prepare_completion(serve_config(str(hf), max_new_tokens=250), hf, args)
+
+
+def test_max_new_tokens_unset_takes_generation_config_json(tmp_path: Path) -> None:
+    """As transformers' generate: generation_config.json's max_new_tokens where serve.py's is unset."""
+    hf = tmp_path / "hf"
+    tiny_reference("qwen").save_pretrained(hf)
+    write_tokenizer_dir(hf, "qwen")
+    args = ModelArgs(vocab_size=420, max_seq_len=256)
+    file = hf / "generation_config.json"
+    config = {k: v for k, v in json.loads(file.read_text()).items() if k != "max_new_tokens"}
+    file.write_text(json.dumps(config))
+    assert prepare_completion(serve_config(str(hf)), hf, args).max_new_tokens == 64
+    file.write_text(json.dumps({**config, "max_new_tokens": 10}))
+    assert prepare_completion(serve_config(str(hf)), hf, args).max_new_tokens == 10
+    assert prepare_completion(serve_config(str(hf), max_new_tokens=3), hf, args).max_new_tokens == 3
+    file.write_text(json.dumps({**config, "max_new_tokens": 250}))
+    with pytest.raises(ValueError, match=r"max_new_tokens=250 \(from .*generation_config\.json\) exceeds"):
+        prepare_completion(serve_config(str(hf)), hf, args)
+    for bad in (0, "10", True):
+        file.write_text(json.dumps({**config, "max_new_tokens": bad}))
+        with pytest.raises(ValueError, match=rf"sets max_new_tokens={re.escape(repr(bad))}, not a whole"):
+            prepare_completion(serve_config(str(hf)), hf, args)
 
 
 def tiny_reference(kind: str) -> "transformers.LlamaForCausalLM":
