@@ -19,13 +19,19 @@ from training.metrics import read_metrics
 PANELS = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"), ("mfu", "MFU"))
 
 
+def run_label(run_dir: Path, several: bool) -> str:
+    """A run's legend label: its path where several runs are drawn, else its directory's name (that of
+    `.` too)."""
+    return str(run_dir) if several else run_dir.resolve().name
+
+
 def plot_runs(run_dirs: list[Path], out: Path) -> Path:
     plt = pyplot()
     runs = {}
     for run_dir in run_dirs:
         if not (run_dir / "metrics.jsonl").is_file():
             raise SystemExit(f"{run_dir} has no metrics.jsonl: give train.py run directories")
-        runs[str(run_dir) if len(run_dirs) > 1 else run_dir.name] = read_metrics(run_dir)
+        runs[run_label(run_dir, len(run_dirs) > 1)] = read_metrics(run_dir)
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), sharex=True)
     for ax, (key, label) in zip(axes.flat, PANELS, strict=True):
         drawn = False
@@ -47,7 +53,7 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
             ax.text(
                 0.5,
                 0.5,
-                f"no {label} recorded\n(GPU runs with a known peak only)",
+                f"no {label} recorded" + ("\n(GPU runs with a known peak only)" if key == "mfu" else ""),
                 ha="center",
                 va="center",
                 transform=ax.transAxes,

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from benchmarks.plot_metrics import run_label
 from configs.schema import TrainConfig
 from model.args import ModelArgs
 from model.llama import Llama
@@ -31,7 +32,7 @@ from tests.test_train_serve import CPU, ROOT, TINY, losses, run_script
 from train import build_optimizer, lr_lambda, train_step
 from training.interrupt import StopRequest
 from training.metrics import MetricsLog, read_metrics
-from training.records import data_windows_change
+from training.records import data_windows_change, resume_command
 
 STEPS = 300
 CPU_DEVICE = torch.device("cpu")
@@ -712,3 +713,23 @@ def test_mfu_peak_is_the_cards_dense_bf16_peak() -> None:
     assert peak_bf16_flops("NVIDIA H200") == 989e12
     assert peak_bf16_flops("NVIDIA A100-SXM4-80GB") == 312e12
     assert peak_bf16_flops("NVIDIA GeForce RTX 4090") is None
+
+
+def test_resume_command_drops_a_reached_stop_and_the_run_dir_in_every_override_form(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    args = ["training.steps=6", "++training.stop_at=2", "+training.stop_at=2", "~training.stop_at",
+            "training.stop_at=5", "++hydra.run.dir=/elsewhere", "hydra.run.dir=/elsewhere"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["train.py", *args])
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    command = shlex.split(resume_command(tmp_path, 2))
+    assert command[1:] == ["train.py", "training.steps=6", "training.stop_at=5", f"hydra.run.dir={tmp_path}"]
+
+
+def test_plot_label_of_a_run_given_as_dot_is_its_name(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (tmp_path / "my-run").mkdir()
+    monkeypatch.chdir(tmp_path / "my-run")
+    assert run_label(Path("."), several=False) == "my-run"
+    assert run_label(Path("."), several=True) == "."

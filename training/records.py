@@ -24,6 +24,7 @@ import torch.distributed as dist
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
+from configs.validate import override_key
 from model.checkpoint import list_checkpoints
 from model.tokenizer import HF_TOKENIZER_FILES
 from parallel import distributed
@@ -112,7 +113,7 @@ def resume_command(run_dir: Path, step: int, sweep_job: Sequence[str] | None = N
     multirun sweep, `sweep_job` (the job's own overrides): the sweep's command line would start a new
     sweep, every job from step 0, in a new sweep directory."""
     args = sys.argv[1:] if sweep_job is None else sweep_job
-    overrides = [arg for arg in args if not arg.startswith("hydra.run.dir=") and not _reached_stop(arg, step)]
+    overrides = [arg for arg in args if override_key(arg) != "hydra.run.dir" and not _reached_stop(arg, step)]
     world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if world > 1:
         nodes = [f"--nnodes={world // local}"] if world != local else []
@@ -123,9 +124,10 @@ def resume_command(run_dir: Path, step: int, sweep_job: Sequence[str] | None = N
 
 
 def _reached_stop(override: str, step: int) -> bool:
-    """Whether `override` sets a training.stop_at at or before `step` (or to null)."""
-    key, _, value = override.partition("=")
-    return key == "training.stop_at" and not (value.isdigit() and int(value) > step)
+    """Whether `override` (`training.stop_at=`, `+` / `++` forms, or `~training.stop_at`) sets a
+    training.stop_at at or before `step`, to null, or deletes it."""
+    value = override.partition("=")[2]
+    return override_key(override) == "training.stop_at" and not (value.isdigit() and int(value) > step)
 
 
 def hydra_value(text: str) -> str:
