@@ -24,9 +24,10 @@ lands contiguously at output row `dest_row(i, src)` of the destination's output 
 
 One call (every rank runs the same grid; program p has the same rows on every rank):
     for each chunk k of program p's rows (blocks p, p + P, p + 2P, ... of `block_rows` rows):
-        push: for each peer d (rank+1, rank+2, ...): load the segments, store them into d's symmetric
-              buffer at their final output offset (remote 16-byte stores over NVLink); then this
-              rank's own segments straight into its output
+        push: for each peer d (program p starting at rank+1+p%(W-1), `rotate_peers`; at rank+1 without
+              it): load the segments, store them into d's symmetric buffer at their final output
+              offset (remote 16-byte stores over NVLink); then this rank's own segments straight into
+              its output
         copy-out of chunk k-1: wait for flag (p, src, k-1) of every peer src, copy what src pushed
               from this rank's buffer to the output (local HBM copy, overlapping the pushes of k)
         signal: flag (p, rank, k) = epoch + 1 in every peer's buffer (release, system scope)

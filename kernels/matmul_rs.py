@@ -840,7 +840,9 @@ class _GroupState:
             stream.wait_event(join)
 
 
-# Group name -> its state (weakly keyed on the flag buffer, which kernels/symm_mem.py owns).
+# Group name -> its state, with a weak reference to the flag buffer it was made for: a group re-created
+# under the same name (its buffers made anew) gets a new state. parallel.distributed.release_groups
+# drops them.
 _STATES: dict[str, tuple[weakref.ref, _GroupState]] = {}
 # Group name -> size classes of the data buffers allocated so far.
 _PREPARED: dict[str, set[int]] = {}

@@ -34,7 +34,8 @@ from model.args import ModelArgs
 from model.llama import Attention, Llama, RMSNorm, TransformerBlock
 
 Hook = Callable[[torch.Tensor], torch.Tensor]
-# An activation between the kernels: bf16 [..., K], or e4m3 [..., K] with fp32 scales, one per token.
+# An activation between the kernels: bf16 [..., K], or e4m3 [..., K] with fp32 scales, one per token (the
+# decode attention's output: one per token and kv head).
 Activation = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 # Between blocks the residual stream travels as (pending [B, S, dim], residual [B * S, dim]): the last
 # block's MLP output has not been added yet, so that the next fused add + RMSNorm kernel does the add

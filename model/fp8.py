@@ -43,7 +43,8 @@ def check_fp8_device(device: torch.device) -> None:
         raise ValueError(f"{torch.cuda.get_device_name(device)} has no FP8 tensor cores: use model.fp8=false")
 
 
-# An activation in FP8: e4m3 [..., K] and its fp32 scales, one per token.
+# An activation in FP8: e4m3 [..., K] and its fp32 scales, one per token (the decode attention's
+# output: one per token and kv head).
 Fp8Activation = tuple[torch.Tensor, torch.Tensor]
 
 # Weights are quantized this many elements (whole rows) at a time: each row has its own scale, so the
@@ -120,7 +121,8 @@ class Fp8Kernels:
         rope: torch.Tensor,
         input_pos: torch.Tensor | None,
     ) -> Fp8Activation:
-        # Quantized per token: at decode by the attention kernel itself (kernels/decode_attention.py).
+        # Quantized per token and kv head at decode, by the attention kernel itself
+        # (kernels/decode_attention.py); per token otherwise.
         return attention.attend(q, k, v, rope, input_pos, fp8_output=True)
 
 

@@ -16,11 +16,12 @@ Every op works on one process group (a tensor- or context-parallel group). Matri
     seq_to_heads([q, k, v])                       -> each [B, H, S/W, D] -> [B, max(H, W)/W, S, D] (Ulysses)
     heads_to_seq([x, ...])                        -> each [B, H/W, S, D] -> [B, H, S/W, D]
     all_gather(x, dim), reduce_scatter(x, dim)    -> the plain collectives (no matmul)
+    decode_all_gather(x, dim)                     -> all_gather at decode (triton: through weft's all-reduce)
 
 The plain all-gather / reduce-scatter are the stock collectives on every path: the model's layers only
 use them where no fused op is attached (the embedding, the gathered logits without sequence
-parallelism, and the re-gather of `save_gathered=False`); the gradient of the sequence-parallel norms
-is summed by the dispatched all-reduce.
+parallelism under autograd, and the re-gather of `save_gathered=False`); decode's logits gather is
+`decode_all_gather`; the gradient of the sequence-parallel norms is summed by the dispatched all-reduce.
 """
 
 from __future__ import annotations
@@ -215,7 +216,7 @@ class SymmMemComm(Comm):
 
     name = "symm_mem"
     # Up to this many bytes the one-shot all-reduce (every rank reads all peers) rather than the
-    # two-shot (reduce-scatter + all-gather in symmetric memory): faster at 64-128 KiB, within 0.5 us
+    # two-shot (reduce-scatter + all-gather in symmetric memory): faster at 64-128 KiB, within 0.6 us
     # below, in the torch columns of benchmarks/results/all_reduce-h200-x4.md (4x H200).
     ONE_SHOT_MAX_BYTES = 128 * 1024
 

@@ -107,6 +107,7 @@ _REGISTRIES = (
     ("parallel.comm", ("_BY_GROUP",)),
     ("kernels.ag_matmul", ("_PLANS",)),
     ("kernels.custom_all_reduce", ("_REGISTRY",)),
+    ("kernels.matmul_rs", ("_STATES",)),
     ("kernels.symm_mem", ("_CACHE", "_CHECKED")),
 )
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.all_reduce import SENTINEL
-from kernels.custom_all_reduce import ALGORITHMS, CustomAllReduce
+from kernels.custom_all_reduce import ALGORITHMS, CustomAllReduce, all_reduce_reference
 from kernels.symm_mem import SymmMemTimeout, check_status
 from tests.multiprocess import GPU_WORLDS, TIMEOUT_TEST_S, run_ranks
 
@@ -42,8 +42,7 @@ def check_result(y: torch.Tensor, x: torch.Tensor, what: str, one_rounding: bool
         err = (y.double() - exact).abs()
         bound = eps * exact.abs() + 1e-5
         assert (err <= bound).all(), f"{what}: error {(err - bound).max().item()} beyond one rounding"
-    stock = x.clone()
-    dist.all_reduce(stock)
+    stock = all_reduce_reference(x)
     # The stock all-reduce rounds to the dtype after each of its W - 1 additions, each by at most eps
     # times a partial sum, itself at most the sum of magnitudes: where large partials cancel (a matmul's
     # partial sums), that is several units of the result's last place. Plus y's own rounding.
