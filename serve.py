@@ -29,7 +29,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from torch.distributed.device_mesh import DeviceMesh
 
-from configs.launch import UserError, command_line_overrides, launch, user_errors
+from configs.launch import JobFailed, UserError, command_line_overrides, launch, user_errors
 from configs.schema import ServeConfig
 from configs.validate import (
     SERVE_DTYPES,
@@ -421,7 +421,7 @@ def main(cfg: ServeConfig) -> None:
     try:
         with user_errors():
             run(cfg, run_dir)
-    except UserError:
+    except (UserError, JobFailed):
         forget_refused_launch(run_dir)
         raise
 

@@ -6,6 +6,9 @@ what to change (weft's convention), a missing file, a comm path that cannot run 
 Hydra's config errors. It prints as one line on stderr, once for all ranks, and exits with status 1;
 HYDRA_FULL_ERROR=1 shows its traceback instead. Any other exception is a bug and keeps its traceback.
 Ctrl-C that reaches the entry point (serve.py; train.py stops by itself) prints one line and exits 130.
+In a sweep (-m) a job's user error, or a run that stops itself (train.py's `stop_run`: a diverged loss,
+a failed save), is printed and fails that job alone: the sweep goes on with the next job, as Hydra's
+sweeper does for any failed job, and exits 1 once all have run. A stop by a signal ends the sweep.
 """
 
 from __future__ import annotations
@@ -33,6 +36,19 @@ class UserError(BaseException):
     job runner, which would print 'Error executing job ...' before the traceback."""
 
 
+class JobFailed(Exception):
+    """A sweep job's failure, already printed. Being an `Exception`, Hydra's job runner records it and
+    its sweeper runs the next job; once every job has run, it raises the first failure."""
+
+
+def in_sweep() -> bool:
+    """Whether the running Hydra task is a job of a sweep (-m)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
 # Whether a Hydra task function has started: an OSError before it is Hydra making the run directory.
 _task_started = False
 
@@ -45,7 +61,19 @@ def user_errors() -> Iterator[None]:
     try:
         yield
     except USER_ERRORS as err:
+        if in_sweep():
+            distributed.print_error_once(one_line(err))
+            raise JobFailed(one_line(err)) from err
         raise UserError(err) from err
+    except SystemExit as err:
+        # A run that stopped itself: exit code 1, or the message rank 0 prints (`stop_run`). An exit
+        # code from 128 on is a stop by a signal, which ends the sweep too.
+        stopped = isinstance(err.code, str) or (isinstance(err.code, int) and 0 < err.code < 128)
+        if not (stopped and in_sweep()):
+            raise
+        if isinstance(err.code, str):
+            print(err.code, file=sys.stderr, flush=True)
+        raise JobFailed(str(err.code)) from err
 
 
 def one_line(err: BaseException) -> str:
@@ -113,11 +141,18 @@ def null_setting_error(err: BaseException, overrides: list[str]) -> ValueError |
     return None
 
 
+def multirun(argv: list[str]) -> bool:
+    """Whether the command line asks Hydra for a sweep (-m, --multirun or hydra.mode=MULTIRUN)."""
+    return any(arg in ("-m", "--multirun") or arg.replace("+", "") == "hydra.mode=MULTIRUN" for arg in argv)
+
+
 def run_dir_error(err: OSError) -> ValueError:
-    """The user error of Hydra failing to make the run directory (before the task function runs)."""
+    """The user error of Hydra failing to make the run directory, or a sweep's (before the task
+    function runs)."""
+    key = "hydra.sweep.dir" if multirun(sys.argv[1:]) else "hydra.run.dir"
     error = ValueError(
-        f"cannot make the run directory {err.filename}: {err.strerror}; set hydra.run.dir to a "
-        "directory you can write"
+        f"cannot make the run directory {err.filename}: {err.strerror}; set {key} to a directory you can "
+        "write"
     )
     error.__cause__ = err
     return error
@@ -126,7 +161,11 @@ def run_dir_error(err: OSError) -> ValueError:
 def launch(main: Callable[[], None]) -> None:
     """Join the torchrun group first, so that every rank agrees on one run directory and only rank 0
     writes Hydra's logs and config copies; then run the Hydra `main`, and leave the group after."""
-    distributed.init_distributed()
+    try:
+        distributed.init_distributed()
+    except ValueError as err:  # a half-set torchrun environment
+        print(err, file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     register_configs()
     register_resolvers()
     sys.argv += distributed.hydra_overrides_for_rank()
@@ -134,6 +173,9 @@ def launch(main: Callable[[], None]) -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra then raises its config errors here instead of printing them
     try:
         main()
+    except JobFailed:  # a sweep whose every job has run, some failing (each printed its error)
+        distributed.shutdown()
+        raise SystemExit(1) from None
     except UserError as err:
         error = err.__cause__
     except USER_ERRORS as err:  # Hydra's config errors, raised before the task function runs

@@ -145,8 +145,21 @@ def check_prompt_override(overrides: Sequence[str]) -> None:
             )
 
 
+def check_launch_directory() -> None:
+    """Refuse Hydra's job.chdir: weft reads a command's relative paths (data, checkpoints, run
+    directories) against the directory it was launched from, and prints resume commands to run there."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized() and HydraConfig.get().job.chdir:
+        raise ValueError(
+            "hydra.job.chdir=true is not supported: weft reads relative paths, and prints its resume "
+            "commands, from the directory it was launched in; leave hydra.job.chdir false (the default)"
+        )
+
+
 def validate_train_config(cfg: TrainConfig) -> None:
     """train.py's keys and values (the model's shape is checked once a checkpoint may have set it)."""
+    check_launch_directory()
     check_keys(cfg)
     t, ckpt = cfg.training, cfg.checkpoint
     checks = [
@@ -196,6 +209,7 @@ def validate_train_config(cfg: TrainConfig) -> None:
 
 def validate_serve_config(cfg: ServeConfig) -> None:
     """serve.py's keys and values (lengths against the model's are checked once its shape is known)."""
+    check_launch_directory()
     check_keys(cfg)
     checks = [
         one_of("mode", cfg.mode, SERVE_MODES),

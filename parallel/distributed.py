@@ -74,10 +74,25 @@ def shared_gpu() -> bool:
     return 0 < gpus < int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
+TORCHRUN_VARIABLES = ("RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def init_distributed() -> None:
-    """Join the torchrun group if launched by torchrun (WORLD_SIZE > 1): see `init_process_group`."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+    """Join the torchrun group if launched by torchrun (WORLD_SIZE > 1): see `init_process_group`.
+    ValueError where WORLD_SIZE is set without the rest of torchrun's variables (a shell's leftover)."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if not world.isdigit():
+        raise ValueError(
+            f"WORLD_SIZE={world!r} is not a number of processes: launch with torchrun, or unset it"
+        )
+    if int(world) <= 1 or dist.is_initialized():
         return
+    missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+    if missing:
+        raise ValueError(
+            f"WORLD_SIZE={world} is set but {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not: "
+            "launch with torchrun (torchrun --nproc_per_node=N ...), or unset WORLD_SIZE"
+        )
     init_process_group(
         int(os.environ["RANK"]),
         int(os.environ["WORLD_SIZE"]),

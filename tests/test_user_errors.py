@@ -5,6 +5,7 @@ only under HYDRA_FULL_ERROR=1; a model too large for the device's memory is refu
 import ast
 import math
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from configs.validate import check_keys, check_prompt_override, validate_serve_c
 from model import memory
 from model.args import ModelArgs
 from tests.multiprocess import run_ranks
-from tests.test_train_serve import ROOT, run_script
+from tests.test_train_serve import CPU, ROOT, TINY, run_script, script_command
 
 GIB = 2**30
 
@@ -254,6 +255,8 @@ def assert_one_error_line(done, text: str) -> None:
         # The suggestion for a quote in the value parses (test_a_suggested_quoting_is_the_text_typed).
         ("serve.py", ["mode=generate", "prompt=Qu'est"], "inside the shell's: prompt=\"'Qu\\'est'\""),
         ("serve.py", ["mode=generate", "prompt='Qu'est'"], "inside the shell's: prompt=\"'Qu\\'est'\""),
+        ("train.py", ["hydra.job.chdir=true"], "hydra.job.chdir=true is not supported: weft reads relative"),
+        ("serve.py", ["hydra.job.chdir=true"], "hydra.job.chdir=true is not supported: weft reads relative"),
     ],
 )
 def test_script_prints_one_error_line(tmp_path: Path, script: str, overrides: list[str], text: str) -> None:
@@ -385,3 +388,33 @@ def test_ctrl_c_while_serving_stops_with_one_line(tmp_path: Path, ranks: int) ->
         assert done.stderr.strip() == "SIGINT: stopped", done.stderr[-3000:]
     assert done.stderr.count("SIGINT: stopped") == 1, done.stderr[-3000:]
     assert "KeyboardInterrupt" not in done.stderr and "[rank" not in done.stderr, done.stderr[-3000:]
+
+
+def test_a_sweep_goes_on_past_a_refused_and_a_diverged_job(tmp_path: Path) -> None:
+    """A sweep job's user error, or a run that stops itself, fails that job alone (as Hydra's sweeper
+    does for any failed job): the next job trains, and the sweep exits 1 once all have run."""
+    done = run_script(
+        "train.py", "-m", *TINY, CPU, "training.steps=2", "training.grad_clip=0",
+        "training.batch_size=0,4", "training.lr=1e9,1e-3", f"hydra.sweep.dir={tmp_path}",
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "training.batch_size=0 must be >= 1" in done.stderr
+    assert "the gradient norm became nan" in done.stderr or "loss became nan" in done.stderr
+    assert "Traceback" not in done.stderr
+    # Jobs 0 and 1 (batch size 0) were refused, leaving no run directory; job 2 diverged; job 3 trained.
+    assert not (tmp_path / "0").exists() and not (tmp_path / "1").exists()
+    assert (tmp_path / "3" / "checkpoints").is_dir()
+
+
+def test_a_sweep_directory_that_cannot_be_made_is_named() -> None:
+    done = run_script("train.py", "-m", CPU, "training.lr=1e-3,3e-3", "hydra.sweep.dir=/proc/weft_sweep")
+    assert_one_error_line(done, "cannot make the run directory /proc/weft_sweep")
+    assert "set hydra.sweep.dir to a directory you can write" in done.stderr
+
+
+@pytest.mark.parametrize("script", ["train.py", "serve.py"])
+def test_a_leftover_world_size_is_named(script: str) -> None:
+    cmd, env = script_command(script, CPU)
+    env = {k: v for k, v in env.items() if k not in ("RANK", "MASTER_ADDR", "MASTER_PORT")}
+    done = subprocess.run(cmd, cwd=ROOT, env={**env, "WORLD_SIZE": "2"}, capture_output=True, text=True)
+    assert_one_error_line(done, "WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT are not: launch")
