@@ -142,7 +142,8 @@ def null_setting_error(err: BaseException, overrides: list[str]) -> ValueError |
 
 
 def multirun(argv: list[str]) -> bool:
-    """Whether the command line asks Hydra for a sweep (-m, --multirun or hydra.mode=MULTIRUN)."""
+    """Whether the command line asks Hydra for a sweep (-m, --multirun or hydra.mode=MULTIRUN): what
+    can be known before Hydra has made its config (`in_sweep` asks that config, once a job runs)."""
     return any(arg in ("-m", "--multirun") or arg.replace("+", "") == "hydra.mode=MULTIRUN" for arg in argv)
 
 
