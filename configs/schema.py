@@ -207,10 +207,20 @@ def register_configs() -> None:
 
 
 def register_resolvers() -> None:
-    """`${weft_now:%Y-%m-%d_%H-%M-%S}` in run directory names: the launch time agreed by all ranks."""
+    """`${weft_now:%Y-%m-%d_%H-%M-%S}` in run directory names: the launch time agreed by all ranks.
+    `${weft_launch:${oc.select:hydra.job.num,""}}` names a launch's record: that time to the microsecond,
+    and in a sweep the job's number, since every job of a sweep shares the launch time and jobs may
+    share a run directory (hydra.sweep.subdir set to one name), where one record would overwrite, or a
+    refused job remove, another's."""
     from omegaconf import OmegaConf
 
     from parallel.distributed import agreed_launch_time
 
     launch = agreed_launch_time()
     OmegaConf.register_new_resolver("weft_now", lambda pattern: launch.strftime(pattern), replace=True)
+
+    def launch_name(job: object = "") -> str:
+        name = launch.strftime("%Y-%m-%d_%H-%M-%S.%f")
+        return name if job in ("", None) else f"{name}-job{job}"
+
+    OmegaConf.register_new_resolver("weft_launch", launch_name, replace=True)

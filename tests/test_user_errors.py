@@ -406,6 +406,20 @@ def test_a_sweep_goes_on_past_a_refused_and_a_diverged_job(tmp_path: Path) -> No
     assert (tmp_path / "3" / "checkpoints").is_dir()
 
 
+def test_sweep_jobs_sharing_a_run_directory_keep_their_own_records(tmp_path: Path) -> None:
+    """Every job of a sweep has the sweep's launch time: with hydra.sweep.subdir forcing one run
+    directory, the jobs' records are told apart by job number, so the refused second job removes its
+    own record and not the first job's."""
+    done = run_script(
+        "train.py", "-m", *TINY, CPU, "training.steps=1", "training.batch_size=4,0",
+        f"hydra.sweep.dir={tmp_path}", "hydra.sweep.subdir=shared",
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    (record,) = (tmp_path / "shared" / "launches").iterdir()
+    assert record.name.endswith("-job0"), record.name
+    assert "training.batch_size=4" in (record / "overrides.yaml").read_text()
+
+
 def test_a_sweep_directory_that_cannot_be_made_is_named() -> None:
     done = run_script("train.py", "-m", CPU, "training.lr=1e-3,3e-3", "hydra.sweep.dir=/proc/weft_sweep")
     assert_one_error_line(done, "cannot make the run directory /proc/weft_sweep")
