@@ -93,7 +93,7 @@ def bench_path(comm: str, gather: str, opts, args: ModelArgs, device: torch.devi
         row["fsdp_gather"] = gather
     try:
         validate_device(dims, device)
-        validate_model(dims, args, seq_len=opts.seq)
+        validate_model(dims, args, seq_len=opts.seq, seq_key="--seq")
         with torch.device("meta"):
             model = Llama(args)
         plan = ParallelizeConfig(

@@ -72,30 +72,41 @@ def parallel_dims(parallel: ParallelConfig, world: int) -> ParallelDims:
     return ParallelDims(dp=dp, cp=cp, tp=tp, comm=comm, dp_replicate=replicas)
 
 
-def validate_model(dims: ParallelDims, args: ModelArgs, seq_len: int | None = None) -> None:
+def validate_model(
+    dims: ParallelDims, args: ModelArgs, seq_len: int | None = None, seq_key: str = "training.seq_len"
+) -> None:
     """Raise a one-line ValueError when the model's shape is inconsistent or cannot be split this way.
 
     tp splits query heads, key/value heads, the MLP hidden size and the vocabulary; sequence
-    parallelism (training, `seq_len` given) splits the sequence over tp * cp. Ulysses (cp) then splits
-    each tp rank's heads again (key/value heads may instead be replicated when there are fewer than cp
-    of them)."""
+    parallelism (training, `seq_len` given, set by `seq_key`) splits the sequence over tp * cp. Ulysses
+    (cp) then splits each tp rank's heads again (key/value heads may instead be replicated when there
+    are fewer than cp of them). Weights loaded from a checkpoint fix the model's shape, so each message
+    names the parallel degree to change first."""
     args.validate()
     tp, cp = dims.tp, dims.cp
+
+    def indivisible(key: str, value: int, by: str, change: str, product: int) -> str:
+        return (
+            f"{key}={value} is not divisible by {by}: choose {change} dividing {value} (or, for a model not "
+            f"loaded from weights, a {key} that {product} divides)"
+        )
+
     checks = [
-        (args.n_heads % tp == 0, f"model.n_heads={args.n_heads} is not divisible by parallel.tp={tp}"),
+        (
+            args.n_heads % tp == 0,
+            indivisible("model.n_heads", args.n_heads, f"parallel.tp={tp}", "a parallel.tp", tp),
+        ),
         (
             args.n_kv_heads % tp == 0,
-            f"model.n_kv_heads={args.n_kv_heads} is not divisible by parallel.tp={tp}",
+            indivisible("model.n_kv_heads", args.n_kv_heads, f"parallel.tp={tp}", "a parallel.tp", tp),
         ),
         (
             args.ffn_hidden % tp == 0,
-            f"model.ffn_hidden={args.ffn_hidden} is not divisible by parallel.tp={tp}",
+            indivisible("model.ffn_hidden", args.ffn_hidden, f"parallel.tp={tp}", "a parallel.tp", tp),
         ),
         (
             args.vocab_size % tp == 0,
-            # Weights loaded from a checkpoint fix the vocabulary: only tp can change then.
-            f"model.vocab_size={args.vocab_size} is not divisible by parallel.tp={tp}: choose a parallel.tp "
-            "that divides it (or, for a model not loaded from weights, a model.vocab_size that tp divides)",
+            indivisible("model.vocab_size", args.vocab_size, f"parallel.tp={tp}", "a parallel.tp", tp),
         ),
     ]
     if cp > 1:
@@ -103,18 +114,27 @@ def validate_model(dims: ParallelDims, args: ModelArgs, seq_len: int | None = No
         checks += [
             (
                 args.n_heads % (tp * cp) == 0,
-                f"model.n_heads={args.n_heads} is not divisible by parallel.tp*parallel.cp={tp}*{cp}",
+                indivisible(
+                    "model.n_heads",
+                    args.n_heads,
+                    f"parallel.tp*parallel.cp={tp}*{cp}",
+                    "a parallel.tp and parallel.cp with a product",
+                    tp * cp,
+                ),
             ),
             (
                 kv % cp == 0 or cp % max(kv, 1) == 0,
-                f"{kv} key/value heads per tp rank neither divide nor are divisible by parallel.cp={cp}",
+                f"model.n_kv_heads={args.n_kv_heads} over parallel.tp={tp} leaves {kv} key/value heads per "
+                f"tp rank, which neither divide nor are divisible by parallel.cp={cp}: choose a "
+                f"parallel.cp that divides {kv} or is a multiple of it",
             ),
         ]
     if seq_len is not None:
         checks.append(
             (
                 seq_len % (tp * cp) == 0,
-                f"sequence length {seq_len} is not divisible by parallel.tp*parallel.cp={tp}*{cp}",
+                f"{seq_key}={seq_len} is not divisible by parallel.tp*parallel.cp={tp}*{cp}: set "
+                f"{seq_key} to a multiple of {tp * cp}",
             )
         )
     for ok, message in checks:

@@ -611,16 +611,36 @@ def test_bad_layouts_fail_with_one_line_errors() -> None:
         parallel_dims(_P(dp_replicate=0), 8)
     assert parallel_dims(_P(tp=2, dp_replicate=2), 8) == ParallelDims(dp=4, cp=1, tp=2, dp_replicate=2)
     args = small_args()
-    with pytest.raises(ValueError, match=r"model\.n_heads=8 is not divisible by parallel\.tp=3"):
+    # Each names the parallel degree to change first: a loaded model's shape cannot change.
+    with pytest.raises(
+        ValueError,
+        match=r"model\.n_heads=8 is not divisible by parallel\.tp=3: choose a parallel\.tp dividing 8",
+    ):
         validate_model(ParallelDims(1, 1, 3), args)
-    with pytest.raises(ValueError, match=r"model\.n_kv_heads=4 is not divisible by parallel\.tp=8"):
+    with pytest.raises(
+        ValueError,
+        match=r"model\.n_kv_heads=4 is not divisible by parallel\.tp=8: choose a parallel\.tp dividing 4",
+    ):
         validate_model(ParallelDims(1, 1, 8), args)
-    with pytest.raises(ValueError, match=r"n_heads=8 is not divisible by parallel\.tp\*parallel\.cp=4\*4"):
+    with pytest.raises(
+        ValueError,
+        match=r"n_heads=8 is not divisible by parallel\.tp\*parallel\.cp=4\*4: choose a parallel\.tp and "
+        r"parallel\.cp with a product dividing 8",
+    ):
         validate_model(ParallelDims(1, 4, 4), args)
     with pytest.raises(
-        ValueError, match=r"sequence length 18 is not divisible by parallel\.tp\*parallel\.cp=4\*1"
+        ValueError,
+        match=r"training\.seq_len=18 is not divisible by parallel\.tp\*parallel\.cp=4\*1: set "
+        r"training\.seq_len to a multiple of 4",
     ):
         validate_model(ParallelDims(1, 1, 4), args, seq_len=18)
+    six_kv_heads = ModelArgs(**{**small_args().__dict__, "n_heads": 12, "n_kv_heads": 6, "dim": 96})
+    with pytest.raises(
+        ValueError,
+        match=r"model\.n_kv_heads=6 over parallel\.tp=1 leaves 6 key/value heads per tp rank, which neither "
+        r"divide nor are divisible by parallel\.cp=4: choose a parallel\.cp that divides 6",
+    ):
+        validate_model(ParallelDims(1, 4, 1), six_kv_heads)
     with pytest.raises(ValueError, match=r"model\.vocab_size=66 is not divisible by parallel\.tp=4"):
         validate_model(ParallelDims(1, 1, 4), ModelArgs(**{**small_args().__dict__, "vocab_size": 66}))
     with pytest.raises(
