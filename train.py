@@ -39,7 +39,7 @@ from configs.schema import TrainConfig, TrainingConfig
 from configs.validate import check_shape_overrides, validate_train_config
 from model.args import ModelArgs
 from model.checkpoint import CheckpointWriteError, load_checkpoint, load_newest_intact, save_checkpoint
-from model.data import PackedDataset, corpus_tokens, marks_document_boundaries
+from model.data import PackedDataset, corpus_tokens, marks_document_boundaries, shared_files
 from model.hf import export_hf
 from model.llama import Llama
 from model.loading import checkpoint_tokenizer, resolve_init_weights
@@ -519,8 +519,13 @@ def run(cfg: TrainConfig, run_dir: Path, launch_record: LaunchRecord, stop: Stop
             log.info(held_out_origin)
             when = f"every {cfg.eval.every} steps and at the last" if cfg.eval.every else "at the last step"
             log.info(f"held-out loss {when}, over {held_out.batches} batches ({held_out.tokens:,} tokens)")
-            if cfg.data.path is not None and Path(cfg.data.path).resolve() == Path(cfg.eval.path).resolve():
-                log.warning("warning: eval.path is data.path: its loss is measured on the training data")
+            shared = shared_files(cfg.data.path, cfg.eval.path) if cfg.data.path is not None else []
+            if shared:
+                log.warning(
+                    f"warning: data.path trains on {len(shared)} of eval.path's files ({shown(shared[0])}"
+                    f"{', ...' if len(shared) > 1 else ''}), so the held-out loss is measured on training "
+                    "data: point data.path at the training files alone"
+                )
         if isinstance(tokenizer, HFTokenizer) and not marks_document_boundaries(tokenizer):
             log.warning(
                 f"warning: the tokenizer in {shown(tokenizer.directory)} names no begin- or end-of-text "

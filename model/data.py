@@ -167,6 +167,13 @@ def data_files(path: str, key: str = "data.path") -> list[Path]:
     )
 
 
+def shared_files(path: str, other: str) -> list[Path]:
+    """The files (resolved, sorted) that both paths take in (`data_files`): a file named by one and held
+    in the other's directory, or one file named by both."""
+    resolved = {file.resolve() for file in data_files(path)}
+    return sorted(resolved & {file.resolve() for file in data_files(other)})
+
+
 def no_text(path: str | None, key: str = "data.path") -> ValueError:
     return ValueError(f"{key}={path} holds no text: give a corpus")
 

@@ -112,3 +112,19 @@ def test_a_small_held_out_corpus_gives_what_it_holds_or_one_line(tmp_path: Path)
     too_few = "holds 11 tokens, fewer than one batch of training.batch_size x training.seq_len for each"
     assert line.startswith(f"eval.path={tiny} {too_few} of the 1 data-parallel rank(s) takes (129)")
     assert not (tmp_path / "no").exists()
+
+
+def test_held_out_files_that_data_path_trains_on_are_named(tmp_path: Path) -> None:
+    """A data.path directory that holds eval.path's file trains on the held-out text: warned, naming
+    the file. The training file alone is no warning."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "train.txt").write_text(HELD_OUT.read_text())
+    (corpus / "valid.txt").write_text(HELD_OUT.read_text()[:2000] * 4)
+    common = [*TINY, CPU, "training.steps=1", f"eval.path={corpus / 'valid.txt'}", "eval.batches=1"]
+    for data, warned in ((corpus, True), (corpus / "train.txt", False)):
+        run_dir = tmp_path / ("leak" if warned else "clean")
+        done = run_script("train.py", *common, f"data.path={data}", f"hydra.run.dir={run_dir}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        warning = f"warning: data.path trains on 1 of eval.path's files ({corpus / 'valid.txt'})"
+        assert (warning in (run_dir / "train.log").read_text()) == warned, done.stderr[-3000:]
