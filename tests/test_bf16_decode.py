@@ -18,15 +18,25 @@ import torch
 from model.args import ModelArgs
 from model.decode import Bf16Kernels, Bf16Weight, DecodeBlock, convert_for_decode, runs_bf16_decode_kernels
 from model.generate import DecodeStep, generate, prefill
-from model.llama import Llama
+from model.llama import Llama, RMSNorm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ARGS = dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=160, ffn_hidden=200)
 
 
+def vary_norm_weights(model: Llama) -> None:
+    """Every RMSNorm weight drawn from [0.5, 1.5): initialised to ones, a norm applied with another
+    norm's weight, or with none, would compute the same."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.uniform_(0.5, 1.5)
+
+
 def tiny_model(tie: bool = False) -> Llama:
     model = Llama(ModelArgs(**ARGS, tie_embeddings=tie)).to(DEVICE)
     model.init_weights()
+    vary_norm_weights(model)
     with torch.no_grad():
         # The untied embedding's std of 1 would drown the blocks' outputs, and a block that computed
         # nothing would go unseen in the tokens.
@@ -39,6 +49,7 @@ def residual_moving_model() -> Llama:
     residual stream and a missing all-reduce of their tensor-parallel shards shows in the logits."""
     model = Llama(ModelArgs(**ARGS))
     model.init_weights()
+    vary_norm_weights(model)
     with torch.no_grad():
         for layer in model.layers:
             layer.attention.wo.weight.mul_(30)

@@ -12,7 +12,7 @@ from model.decode import DecodeBlock
 from model.fp8 import Fp8Weight, check_fp8_device, convert_to_fp8
 from model.generate import DecodeStep, prefill
 from model.llama import Llama
-from tests.test_bf16_decode import residual_moving_model
+from tests.test_bf16_decode import residual_moving_model, vary_norm_weights
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -24,6 +24,7 @@ def test_fp8_model_tracks_bf16(tie: bool) -> None:
     )
     model = Llama(args).to(DEVICE)
     model.init_weights()
+    vary_norm_weights(model)
     with torch.no_grad():
         # Untied, the embedding's std of 1 would drown the blocks' outputs and a dropped residual add
         # would go unseen: at std 0.02, dropping one moves the logits by >= 12%, FP8 by <= 6%.
