@@ -40,6 +40,14 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp(min=1e-30)).item()
 
 
+def assert_rounded_alike(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """`out` (bf16) is the fp32 `ref` rounded to bf16, up to the rare one-ulp flip where the kernel's fp32
+    differs from the reference's in its last bits: relative error below 1e-3, where a systematic error
+    of one bf16 ulp, or truncation instead of rounding, makes 2e-3 to 8e-3."""
+    assert out.dtype == torch.bfloat16
+    assert rel_err(out, ref.to(torch.bfloat16)) < 1e-3
+
+
 @pytest.fixture
 def poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
     """Outputs the kernels allocate (torch.empty, empty_like, new_empty) start as NaN, so an element
@@ -92,7 +100,7 @@ def test_add_rmsnorm(poisoned: None, rows: int, hidden: int, mode: str, with_res
         else:
             out = rmsnorm(x, weight, 1e-5)
         ref, new_residual = add_rmsnorm_reference(x, original, weight, 1e-5)
-        assert rel_err(out, ref) < 1e-2
+        assert_rounded_alike(out, ref)
     else:
         static = torch.tensor([0.02], device=DEVICE) if mode == "static" else None
         if with_residual:
@@ -114,7 +122,7 @@ def test_add_rmsnorm(poisoned: None, rows: int, hidden: int, mode: str, with_res
 def test_swiglu(poisoned: None, rows: int, hidden: int, mode: str) -> None:
     x = bf16(rows, 2 * hidden, scale=2.0)
     if mode == "bf16":
-        assert rel_err(swiglu(x), swiglu_reference(x)) < 1e-2
+        assert_rounded_alike(swiglu(x), swiglu_reference(x))
         return
     static = torch.tensor([0.05], device=DEVICE) if mode == "static" else None
     q, scales = swiglu_fp8(x, static)
@@ -567,7 +575,7 @@ def test_row_kernels_realistic(poisoned: None, monkeypatch: pytest.MonkeyPatch, 
     for _ in range(3):
         ref_out, ref_res = add_rmsnorm_reference(x, ref_res, weight, 1e-5)
     assert torch.equal(graph_res, ref_res)
-    assert rel_err(graph_out, ref_out) < 1e-2
+    assert_rounded_alike(graph_out, ref_out)
 
 
 @pytest.mark.gpu
