@@ -93,6 +93,10 @@ def test_add_rmsnorm_persistent_rounds(poisoned: None, ragged: int) -> None:
 def test_add_rmsnorm(poisoned: None, rows: int, hidden: int, mode: str, with_residual: bool) -> None:
     x, weight = bf16(rows, hidden), bf16(hidden, scale=0.5) + 1
     residual = bf16(rows, hidden, scale=3.0) if with_residual else None
+    if rows > 1:  # an all-zero row: its norm is 0 * rsqrt(eps), and NaN without eps
+        x[1] = 0
+        if residual is not None:
+            residual[1] = 0
     original = residual.clone() if residual is not None else None
     if mode == "bf16":
         if with_residual:
