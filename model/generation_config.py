@@ -52,13 +52,22 @@ def stop_ids(directory: Path | None, tokenizer: Tokenizer) -> list[int]:
 def default_sampling(directory: Path | None) -> Sampling:
     """generation_config.json's sampling settings: greedy unless it sets do_sample, and then its
     temperature, top_k and top_p with transformers' defaults (1.0, 50, 1.0) for those it leaves out."""
-    config = read_json(directory / "generation_config.json") if directory is not None else {}
+    file = directory / "generation_config.json" if directory is not None else None
+    config = read_json(file) if file is not None else {}
     if not config.get("do_sample"):
         return Sampling()
+    for key, types, what in (
+        ("temperature", int | float, "a number"),
+        ("top_k", int, "a whole number"),
+        ("top_p", int | float, "a number"),
+    ):
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, types)):
+            raise ValueError(f"{file} sets {key}={value!r}, not {what}: fix the file or give {key}=...")
     temperature, top_k, top_p = (config.get(key) for key in ("temperature", "top_k", "top_p"))
     return Sampling(
         temperature=1.0 if temperature is None else float(temperature),
-        top_k=TRANSFORMERS_TOP_K if top_k is None else int(top_k),
+        top_k=TRANSFORMERS_TOP_K if top_k is None else top_k,
         top_p=1.0 if top_p is None else float(top_p),
     )
 

@@ -70,6 +70,14 @@ def is_hf_checkpoint(path: str | Path) -> bool:
     )
 
 
+def _positive_int(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value > 0
+
+
+def _positive_number(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | float) and positive(value)
+
+
 def args_from_hf_config(cfg: dict) -> ModelArgs:
     """weft's ModelArgs for a Hugging Face Llama config.json (transformers 4's rope_theta/rope_scaling
     or transformers 5's rope_parameters); a config weft cannot run exactly fails with the reason."""
@@ -86,11 +94,10 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         value = cfg[key]
         if key == "num_key_value_heads" and value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        if not _positive_int(value):
             raise wrong(key, "a positive integer")
     for key in ("rms_norm_eps", "rope_theta"):
-        value = cfg.get(key, 1.0)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not positive(value):
+        if not _positive_number(cfg.get(key, 1.0)):
             raise wrong(key, "a finite number > 0")
     if not isinstance(cfg.get("tie_word_embeddings", False), bool):
         raise wrong("tie_word_embeddings", "true or false")
@@ -119,6 +126,16 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
         raise ValueError(f"{', '.join(unsupported)} in config.json: weft's Llama has no biases and uses SiLU")
     # transformers 4 writes rope_theta and rope_scaling; transformers 5 one rope_parameters dict.
     raw = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    rope_key = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+
+    def rope_value(key: str, what: str, valid: bool) -> None:
+        if not valid:
+            raise ValueError(
+                f"config.json's {rope_key}.{key}={raw[key]!r} must be {what}: repair config.json"
+            )
+
+    if "rope_theta" not in cfg and "rope_theta" in raw:
+        rope_value("rope_theta", "a finite number > 0", _positive_number(raw["rope_theta"]))
     theta = cfg.get("rope_theta", raw.get("rope_theta", 10000.0))
     scaling = None
     kind = raw.get("rope_type", raw.get("type", "default"))
@@ -129,6 +146,12 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
             raise ValueError(
                 f"config.json's llama3 rope scaling lacks {', '.join(missing)}: repair config.json"
             )
+        for key in needed[:3]:
+            rope_value(key, "a finite number > 0", _positive_number(raw[key]))
+        high = raw["high_freq_factor"]
+        rope_value("low_freq_factor", f"below high_freq_factor={high!r}", raw["low_freq_factor"] < high)
+        original = raw["original_max_position_embeddings"]
+        rope_value("original_max_position_embeddings", "a positive integer", _positive_int(original))
         scaling = RopeScaling(
             factor=raw["factor"],
             low_freq_factor=raw["low_freq_factor"],

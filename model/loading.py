@@ -11,7 +11,7 @@ import torch
 from model.args import ModelArgs
 from model.checkpoint import LazyTensors, copy_state_into, latest_checkpoint, read_model_args
 from model.hf import args_from_hf_config, is_hf_checkpoint, open_hf_checkpoint
-from model.tokenizer import Tokenizer, load_tokenizer, read_json
+from model.tokenizer import HF_TOKENIZER_FILES, Tokenizer, load_tokenizer, read_json
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -103,6 +103,6 @@ def checkpoint_tokenizer(checkpoint: Path | None) -> Tokenizer:
         raise ValueError(
             f"{checkpoint} was trained with a Hugging Face tokenizer, kept in its run directory, but "
             f"{directory} has no tokenizer.json: serve the checkpoint inside its run directory, or copy "
-            "the run directory's tokenizer files (tokenizer.json, tokenizer_config.json) beside its weights"
+            f"the run directory's {', '.join(HF_TOKENIZER_FILES)} (those it has) beside its weights"
         )
     return load_tokenizer(directory)

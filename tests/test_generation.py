@@ -27,7 +27,7 @@ from model.generation_config import (  # noqa: E402
 )
 from model.llama import Llama  # noqa: E402
 from model.loading import checkpoint_tokenizer  # noqa: E402
-from model.tokenizer import ByteTokenizer, HFTokenizer, TextStream  # noqa: E402
+from model.tokenizer import HF_TOKENIZER_FILES, ByteTokenizer, HFTokenizer, TextStream  # noqa: E402
 from serve import prepare_completion  # noqa: E402
 from tests.test_train_serve import run_script  # noqa: E402
 
@@ -352,6 +352,13 @@ def test_stop_ids_and_sampling_defaults_from_files(tmp_path: Path) -> None:
     assert resolve_sampling(directory, 0.0, None, None).temperature == 0
     assert default_sampling(tmp_path / "nothing") == Sampling() == default_sampling(None)
     assert resolve_sampling(None, None, None, None) == Sampling()  # random weights, no directory
+    # A hand-edited value of the wrong type is named with its file (not cast: top_k 2.5 was taken as 2).
+    file = directory / "generation_config.json"
+    for key, value, what in (("temperature", "hot", "a number"), ("top_k", 2.5, "a whole number")):
+        file.write_text(json.dumps({**gen, key: value}))
+        with pytest.raises(ValueError, match=rf"^{file} sets {key}={value!r}, not {what}: fix the file"):
+            default_sampling(directory)
+    file.write_text(json.dumps(gen))
     with pytest.raises(ValueError, match=r"^top_k=-1 must be >= 0"):
         resolve_sampling(None, None, -1, None)
     for top_p in (0.0, 1.5, -0.1):
@@ -603,11 +610,15 @@ def test_init_from_and_export_keep_tokenizer_template_and_generation_config(tmp_
     step = next((run / "checkpoints").glob("step_*"))
     moved = tmp_path / "elsewhere" / "a" / step.name
     shutil.copytree(step, moved)
-    with pytest.raises(ValueError, match=r"was trained with a Hugging Face tokenizer, kept in its run"):
+    # The message lists every file the run keeps of the model: the chat template and generation defaults too.
+    with pytest.raises(ValueError, match=r"was trained with a Hugging Face tokenizer, kept in its run.*"
+                       r"chat_template\.jinja, generation_config\.json \(those it has\)"):  # fmt: skip
         checkpoint_tokenizer(moved)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(run / name, moved / name)
+    for name in HF_TOKENIZER_FILES:
+        if (run / name).is_file():
+            shutil.copyfile(run / name, moved / name)
     assert checkpoint_tokenizer(moved).encode_prompt(TEXTS[0]) == reference(TEXTS[0])["input_ids"]
+    assert default_sampling(moved) == default_sampling(run)
 
 
 def test_a_checkpoint_trained_on_bytes_decodes_bytes_below_another_tokenizer(tmp_path: Path) -> None:

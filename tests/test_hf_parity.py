@@ -347,6 +347,22 @@ def test_config_variants_and_unsupported_configs() -> None:
         ({"rope_theta": 0}, "rope_theta=0 must be a finite number > 0"),
         ({"tie_word_embeddings": "false"}, "tie_word_embeddings='false' must be true or false"),
         ({"rope_scaling": "llama3"}, "rope_scaling='llama3' must be an object or null"),
+        (
+            {"rope_scaling": {**HF_CONFIG["rope_scaling"], "factor": "8"}},
+            r"rope_scaling\.factor='8' must be a finite number > 0",
+        ),
+        (
+            {"rope_scaling": {**HF_CONFIG["rope_scaling"], "low_freq_factor": None}},
+            r"rope_scaling\.low_freq_factor=None must be a finite number > 0",
+        ),
+        (
+            {"rope_scaling": {**HF_CONFIG["rope_scaling"], "low_freq_factor": 4.0}},
+            r"rope_scaling\.low_freq_factor=4\.0 must be below high_freq_factor=4\.0",
+        ),
+        (
+            {"rope_scaling": {**HF_CONFIG["rope_scaling"], "original_max_position_embeddings": 64.5}},
+            r"rope_scaling\.original_max_position_embeddings=64\.5 must be a positive integer",
+        ),
         ({"hidden_size": 90, "num_attention_heads": 6}, "an even head size"),
     ],
 )
@@ -356,6 +372,18 @@ def test_a_hand_edited_config_value_is_named(change: dict, reason: str) -> None:
     with pytest.raises(ValueError, match=rf"config\.json's .*{reason}") as err:
         args_from_hf_config({**HF_CONFIG, **change})
     assert "model." not in str(err.value)
+
+
+def test_a_hand_edited_rope_parameters_value_is_named() -> None:
+    """transformers 5 keeps rope_theta inside rope_parameters: checked there too."""
+    config = {k: v for k, v in HF_CONFIG.items() if k not in ("rope_theta", "rope_scaling")}
+    config["rope_parameters"] = {**HF_CONFIG["rope_scaling"], "rope_theta": "1e4"}
+    with pytest.raises(
+        ValueError, match=r"config\.json's rope_parameters\.rope_theta='1e4' must be a finite"
+    ):
+        args_from_hf_config(config)
+    config["rope_parameters"]["rope_theta"] = 5e5
+    assert args_from_hf_config(config).rope_theta == 5e5
 
 
 def test_hf_directory_checks(tmp_path: Path) -> None:
