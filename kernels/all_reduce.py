@@ -5,6 +5,10 @@ bit-identical results. Data moves as 16-byte vectors (bf16/fp16: 8 elements, fp3
 count must make whole vectors (numel * itemsize % 16 == 0). Barriers follow kernels/symm_mem.py's
 epoch protocol: no host state, CUDA-graph replayable, bounded waits.
 
+Each kernel's work between two barriers or waits is a @triton.jit helper (`copy_in`, `one_shot_sum`,
+`copy_chunks`, `two_shot_reduce`, `*_push_send`, ...), so that tests/test_all_reduce_sim.py can run the
+data path phase by phase on W simulated ranks under Triton's interpreter.
+
 The symmetric buffer of a call holds three regions of `slot_bytes` each:
 
     [ slot 0 | slot 1 | direct ]
@@ -99,6 +103,88 @@ def _peer_base(buf_ptrs, r, region, DT: tl.constexpr):
 
 
 @triton.jit
+def call_regions(epoch, base_off, slot_bytes, DIRECT: tl.constexpr):
+    """(gather, inputs): byte offsets of this call's slot (`epoch & 1`: copy-in and, two-shot, the
+    reduced chunks) and of the region the inputs are read from (the direct region if DIRECT)."""
+    gather = base_off + (epoch & 1).to(tl.int64) * slot_bytes
+    region = base_off + 2 * slot_bytes if DIRECT else gather
+    return gather, region
+
+
+@triton.jit
+def copy_in(inp_ptr, dst, n_vec, pid, nprog, BLOCK_V: tl.constexpr, VEC: tl.constexpr):
+    """One-shot copy-in: this program's blocks (pid, pid + nprog, ...) of the n_vec input vectors to
+    `dst`, this rank's slot."""
+    rows = tl.arange(0, BLOCK_V)
+    cols = tl.arange(0, VEC)
+    for start in range(pid * BLOCK_V, n_vec, nprog * BLOCK_V):
+        v = start + rows
+        offs = v[:, None] * VEC + cols[None, :]
+        mask = (v < n_vec)[:, None]
+        tl.store(dst + offs, tl.load(inp_ptr + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def one_shot_sum(
+    out_ptr, buf_ptrs, region, n_vec, pid, nprog,
+    WORLD: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
+):  # fmt: skip
+    """out = the sum of every rank's `region` over this program's blocks, in fp32 in rank order."""
+    DT: tl.constexpr = out_ptr.dtype.element_ty
+    rows = tl.arange(0, BLOCK_V)
+    cols = tl.arange(0, VEC)
+    for start in range(pid * BLOCK_V, n_vec, nprog * BLOCK_V):
+        v = start + rows
+        offs = v[:, None] * VEC + cols[None, :]
+        mask = (v < n_vec)[:, None]
+        acc = tl.zeros([BLOCK_V, VEC], tl.float32)
+        for r in tl.static_range(WORLD):
+            acc += tl.load(_peer_base(buf_ptrs, r, region, DT) + offs, mask=mask).to(tl.float32)
+        tl.store(out_ptr + offs, acc.to(DT), mask=mask)
+
+
+@triton.jit
+def copy_chunks(
+    src, dst, n_vec, pid, nprog, WORLD: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr
+):  # fmt: skip
+    """Two-shot copy-in (input -> gather slot) and copy-out (gather slot -> output): positions
+    [pid * BLOCK_V, ...) of every rank's chunk, from `src` to `dst`."""
+    rows = tl.arange(0, BLOCK_V)
+    cols = tl.arange(0, VEC)
+    chunk = (n_vec + WORLD - 1) // WORLD  # vectors per rank's chunk; the last may be short
+    for start in range(pid * BLOCK_V, chunk, nprog * BLOCK_V):
+        i = start + rows
+        for c in tl.static_range(WORLD):
+            v = c * chunk + i
+            offs = v[:, None] * VEC + cols[None, :]
+            mask = ((i < chunk) & (v < n_vec))[:, None]
+            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+@triton.jit
+def two_shot_reduce(
+    buf_ptrs, region, gather, n_vec, pid, nprog,
+    RANK: tl.constexpr, WORLD: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr, DT: tl.constexpr,
+):  # fmt: skip
+    """Reduce-scatter: this program's positions of chunk RANK of every rank's `region`, summed in fp32
+    in rank order, pushed into chunk RANK of every rank's `gather` slot."""
+    rows = tl.arange(0, BLOCK_V)
+    cols = tl.arange(0, VEC)
+    chunk = (n_vec + WORLD - 1) // WORLD
+    for start in range(pid * BLOCK_V, chunk, nprog * BLOCK_V):
+        i = start + rows
+        v = RANK * chunk + i
+        offs = v[:, None] * VEC + cols[None, :]
+        mask = ((i < chunk) & (v < n_vec))[:, None]
+        acc = tl.zeros([BLOCK_V, VEC], tl.float32)
+        for r in tl.static_range(WORLD):
+            acc += tl.load(_peer_base(buf_ptrs, r, region, DT) + offs, mask=mask).to(tl.float32)
+        y = acc.to(DT)
+        for r in tl.static_range(WORLD):
+            tl.store(_peer_base(buf_ptrs, r, gather, DT) + offs, y, mask=mask)
+
+
+@triton.jit
 def _one_shot_kernel(
     inp_ptr, out_ptr, buf_ptrs, pad_ptrs, epoch_ptr, status_ptr,
     n_vec, base_off, slot_bytes, timeout_ns,
@@ -109,25 +195,11 @@ def _one_shot_kernel(
     nprog = tl.num_programs(0)
     epoch = load_epoch(epoch_ptr, pid)
     DT: tl.constexpr = out_ptr.dtype.element_ty
-    region = base_off + 2 * slot_bytes if DIRECT else base_off + (epoch & 1).to(tl.int64) * slot_bytes
-    rows = tl.arange(0, BLOCK_V)
-    cols = tl.arange(0, VEC)
+    _, region = call_regions(epoch, base_off, slot_bytes, DIRECT)
     if not DIRECT:
-        mine = _peer_base(buf_ptrs, RANK, region, DT)
-        for start in range(pid * BLOCK_V, n_vec, nprog * BLOCK_V):
-            v = start + rows
-            offs = v[:, None] * VEC + cols[None, :]
-            mask = (v < n_vec)[:, None]
-            tl.store(mine + offs, tl.load(inp_ptr + offs, mask=mask), mask=mask)
+        copy_in(inp_ptr, _peer_base(buf_ptrs, RANK, region, DT), n_vec, pid, nprog, BLOCK_V, VEC)
     barrier(pad_ptrs, 0, pid, epoch + 1, status_ptr, OP, timeout_ns, RANK, WORLD)
-    for start in range(pid * BLOCK_V, n_vec, nprog * BLOCK_V):
-        v = start + rows
-        offs = v[:, None] * VEC + cols[None, :]
-        mask = (v < n_vec)[:, None]
-        acc = tl.zeros([BLOCK_V, VEC], tl.float32)
-        for r in tl.static_range(WORLD):
-            acc += tl.load(_peer_base(buf_ptrs, r, region, DT) + offs, mask=mask).to(tl.float32)
-        tl.store(out_ptr + offs, acc.to(DT), mask=mask)
+    one_shot_sum(out_ptr, buf_ptrs, region, n_vec, pid, nprog, WORLD, BLOCK_V, VEC)
     if DIRECT:
         barrier(pad_ptrs, 1, pid, epoch + 1, status_ptr, OP, timeout_ns, RANK, WORLD)
     advance_epoch(epoch_ptr, pid, epoch)
@@ -145,44 +217,17 @@ def _two_shot_kernel(
     epoch = load_epoch(epoch_ptr, pid)
     DT: tl.constexpr = out_ptr.dtype.element_ty
     # Reduced chunks gather in slot epoch & 1; inputs are read there too unless DIRECT.
-    gather = base_off + (epoch & 1).to(tl.int64) * slot_bytes
-    region = base_off + 2 * slot_bytes if DIRECT else gather
-    rows = tl.arange(0, BLOCK_V)
-    cols = tl.arange(0, VEC)
-    chunk = (n_vec + WORLD - 1) // WORLD  # vectors per rank's chunk; the last may be short
+    gather, region = call_regions(epoch, base_off, slot_bytes, DIRECT)
     mine = _peer_base(buf_ptrs, RANK, gather, DT)
     # Program pid owns positions [pid * BLOCK_V, ...) of every chunk, the same on every rank.
     if not DIRECT:
-        for start in range(pid * BLOCK_V, chunk, nprog * BLOCK_V):
-            i = start + rows
-            for c in tl.static_range(WORLD):
-                v = c * chunk + i
-                offs = v[:, None] * VEC + cols[None, :]
-                mask = ((i < chunk) & (v < n_vec))[:, None]
-                tl.store(mine + offs, tl.load(inp_ptr + offs, mask=mask), mask=mask)
+        copy_chunks(inp_ptr, mine, n_vec, pid, nprog, WORLD, BLOCK_V, VEC)
     barrier(pad_ptrs, 0, pid, epoch + 1, status_ptr, OP, timeout_ns, RANK, WORLD)
-    # Reduce-scatter: chunk RANK of every rank, summed in rank order; push the sum into chunk RANK of
-    # every rank's gather slot (in place when not DIRECT: only this program of this rank reads it).
-    for start in range(pid * BLOCK_V, chunk, nprog * BLOCK_V):
-        i = start + rows
-        v = RANK * chunk + i
-        offs = v[:, None] * VEC + cols[None, :]
-        mask = ((i < chunk) & (v < n_vec))[:, None]
-        acc = tl.zeros([BLOCK_V, VEC], tl.float32)
-        for r in tl.static_range(WORLD):
-            acc += tl.load(_peer_base(buf_ptrs, r, region, DT) + offs, mask=mask).to(tl.float32)
-        y = acc.to(DT)
-        for r in tl.static_range(WORLD):
-            tl.store(_peer_base(buf_ptrs, r, gather, DT) + offs, y, mask=mask)
+    # In place when not DIRECT: only this program of this rank reads chunk RANK's positions.
+    two_shot_reduce(buf_ptrs, region, gather, n_vec, pid, nprog, RANK, WORLD, BLOCK_V, VEC, DT)
     barrier(pad_ptrs, 1, pid, epoch + 1, status_ptr, OP, timeout_ns, RANK, WORLD)
     # All-gather: the W reduced chunks are now in this rank's gather slot.
-    for start in range(pid * BLOCK_V, chunk, nprog * BLOCK_V):
-        i = start + rows
-        for c in tl.static_range(WORLD):
-            v = c * chunk + i
-            offs = v[:, None] * VEC + cols[None, :]
-            mask = ((i < chunk) & (v < n_vec))[:, None]
-            tl.store(out_ptr + offs, tl.load(mine + offs, mask=mask), mask=mask)
+    copy_chunks(mine, out_ptr, n_vec, pid, nprog, WORLD, BLOCK_V, VEC)
     advance_epoch(epoch_ptr, pid, epoch)
 
 
@@ -431,6 +476,52 @@ def _next_set(epoch_ptr, pid, set_):
 
 
 @triton.jit
+def one_shot_push_ptrs(buf_ptrs, set_, base_vecs, slot_vecs, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """(outbox, inbox) [WORLD, 1] int32 pointers, row r: slot [RANK] on rank r (where this rank's input
+    goes) / this rank's slot [r] (what it sums)."""
+    ranks = tl.arange(0, WORLD)
+    outbox = (_rank_words(buf_ptrs, ranks, base_vecs) + one_shot_slot(set_, RANK, WORLD, slot_vecs))[:, None]
+    inbox = (_rank_words(buf_ptrs, RANK, base_vecs) + one_shot_slot(set_, ranks, WORLD, slot_vecs))[:, None]
+    return outbox, inbox
+
+
+@triton.jit
+def one_shot_push_send(
+    inp_ptr, outbox, n_vec, pid, nprog, WORLD: tl.constexpr, DT: tl.constexpr, BLOCK_V: tl.constexpr
+):  # fmt: skip
+    """Store this program's blocks of the input, sanitized, through `outbox` (to every rank)."""
+    ranks = tl.arange(0, WORLD)
+    BLOCK_W: tl.constexpr = BLOCK_V * WORDS_PER_VECTOR
+    lanes = tl.arange(0, BLOCK_W)[None, :]
+    n_words = n_vec * WORDS_PER_VECTOR
+    for start in range(pid * BLOCK_V, n_vec, nprog * BLOCK_V):
+        offs = start * WORDS_PER_VECTOR + lanes
+        mask = (offs < n_words) & (ranks[:, None] >= 0)
+        words = sanitize(tl.load(inp_ptr + offs, mask=offs < n_words), DT)
+        tl.store(outbox + offs, tl.broadcast_to(words, [WORLD, BLOCK_W]), mask=mask)
+
+
+@triton.jit
+def one_shot_push_sum(
+    out_ptr, inbox, status_ptr, give_up, n_vec, timeout_ns, pid, nprog,
+    WORLD: tl.constexpr, DT: tl.constexpr, BLOCK_V: tl.constexpr, OP: tl.constexpr,
+):  # fmt: skip
+    """Per block of this program: wait for the W slots of `inbox`, store their sum in rank order to
+    out, reset them to SENTINEL."""
+    ranks = tl.arange(0, WORLD)
+    BLOCK_W: tl.constexpr = BLOCK_V * WORDS_PER_VECTOR
+    lanes = tl.arange(0, BLOCK_W)[None, :]
+    n_words = n_vec * WORDS_PER_VECTOR
+    for start in range(pid * BLOCK_V, n_vec, nprog * BLOCK_V):
+        offs = start * WORDS_PER_VECTOR + lanes
+        mask = (offs < n_words) & (ranks[:, None] >= 0)
+        words, pending = wait_for_words(inbox + offs, mask, give_up, timeout_ns, WORLD)
+        give_up = _note_timeout(pending, give_up, status_ptr, OP, 0, WORLD)
+        tl.store(out_ptr + offs, sum_rows(words, WORLD, DT)[None, :], mask=offs < n_words)
+        tl.store(inbox + offs, tl.full([WORLD, BLOCK_W], SENTINEL, tl.int32), mask=mask)
+
+
+@triton.jit
 def _one_shot_push_kernel(
     inp_ptr, out_ptr, buf_ptrs, epoch_ptr, status_ptr,
     n_vec, base_vecs, slot_vecs, timeout_ns,
@@ -439,28 +530,102 @@ def _one_shot_push_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     set_ = load_epoch(epoch_ptr, pid)
+    outbox, inbox = one_shot_push_ptrs(buf_ptrs, set_, base_vecs, slot_vecs, RANK, WORLD)
+    # All stores first, then all waits: no wait of any program depends on a store queued after it.
+    one_shot_push_send(inp_ptr, outbox, n_vec, pid, nprog, WORLD, DT, BLOCK_V)
+    give_up = _timed_out_before(status_ptr)
+    one_shot_push_sum(
+        out_ptr, inbox, status_ptr, give_up, n_vec, timeout_ns, pid, nprog, WORLD, DT, BLOCK_V, OP
+    )
+    _next_set(epoch_ptr, pid, set_)
+
+
+@triton.jit
+def two_shot_push_ptrs(
+    buf_ptrs, set_, base_vecs, slot_vecs, chunk_vecs, RANK: tl.constexpr, WORLD: tl.constexpr
+):  # fmt: skip
+    """(to_reduce, to_gather, reduce_in, gather_in) [WORLD, 1] int32 pointers. Row r: rank r's reduce
+    slot [RANK] (where chunk r of this input goes) / gather slot [RANK]; this rank's reduce slot [r]
+    (rank r's part of chunk RANK) / gather slot [r] (chunk r)."""
     ranks = tl.arange(0, WORLD)
+    peers = _rank_words(buf_ptrs, ranks, base_vecs)
+    mine = _rank_words(buf_ptrs, RANK, base_vecs)
+    to_reduce = (peers + reduce_slot(set_, RANK, WORLD, slot_vecs, chunk_vecs))[:, None]
+    to_gather = (peers + gather_slot(set_, RANK, WORLD, slot_vecs, chunk_vecs))[:, None]
+    reduce_in = (mine + reduce_slot(set_, ranks, WORLD, slot_vecs, chunk_vecs))[:, None]
+    gather_in = (mine + gather_slot(set_, ranks, WORLD, slot_vecs, chunk_vecs))[:, None]
+    return to_reduce, to_gather, reduce_in, gather_in
+
+
+# Word k of a chunk: word k of a slot, word r * chunk_words + k of the message for chunk r.
+
+
+@triton.jit
+def two_shot_push_send(
+    inp_ptr, to_reduce, n_vec, pid, nprog, WORLD: tl.constexpr, DT: tl.constexpr, BLOCK_V: tl.constexpr
+):  # fmt: skip
+    """Store this program's positions of chunk r of the input, sanitized, through row r of `to_reduce`."""
+    rows = tl.arange(0, WORLD)[:, None]
     BLOCK_W: tl.constexpr = BLOCK_V * WORDS_PER_VECTOR
     lanes = tl.arange(0, BLOCK_W)[None, :]
     n_words = n_vec * WORDS_PER_VECTOR
-    # Row r: slot [RANK] on rank r (where this rank's input goes) / this rank's slot [r] (what it sums).
-    outbox = (_rank_words(buf_ptrs, ranks, base_vecs) + one_shot_slot(set_, RANK, WORLD, slot_vecs))[:, None]
-    inbox = (_rank_words(buf_ptrs, RANK, base_vecs) + one_shot_slot(set_, ranks, WORLD, slot_vecs))[:, None]
-    # All stores first, then all waits: no wait of any program depends on a store queued after it.
-    for start in range(pid * BLOCK_V, n_vec, nprog * BLOCK_V):
-        offs = start * WORDS_PER_VECTOR + lanes
-        mask = (offs < n_words) & (ranks[:, None] >= 0)
-        words = sanitize(tl.load(inp_ptr + offs, mask=offs < n_words), DT)
-        tl.store(outbox + offs, tl.broadcast_to(words, [WORLD, BLOCK_W]), mask=mask)
-    give_up = _timed_out_before(status_ptr)
-    for start in range(pid * BLOCK_V, n_vec, nprog * BLOCK_V):
-        offs = start * WORDS_PER_VECTOR + lanes
-        mask = (offs < n_words) & (ranks[:, None] >= 0)
-        words, pending = wait_for_words(inbox + offs, mask, give_up, timeout_ns, WORLD)
+    chunk = (n_vec + WORLD - 1) // WORLD  # vectors per rank's chunk; the last may be short
+    chunk_words = chunk * WORDS_PER_VECTOR
+    for start in range(pid * BLOCK_V, chunk, nprog * BLOCK_V):
+        k = start * WORDS_PER_VECTOR + lanes
+        mask = (k < chunk_words) & (rows * chunk_words + k < n_words)
+        words = sanitize(tl.load(inp_ptr + rows * chunk_words + k, mask=mask), DT)
+        tl.store(to_reduce + k, words, mask=mask)
+
+
+@triton.jit
+def two_shot_push_reduce(
+    to_gather, reduce_in, status_ptr, give_up, n_vec, timeout_ns, pid, nprog,
+    RANK: tl.constexpr, WORLD: tl.constexpr, DT: tl.constexpr, BLOCK_V: tl.constexpr, OP: tl.constexpr,
+):  # fmt: skip
+    """Per block of this program's positions of chunk RANK: wait for the W reduce slots of `reduce_in`,
+    store their sum in rank order through `to_gather` (to every rank), reset them to SENTINEL. Returns
+    the updated give_up flag."""
+    rows = tl.arange(0, WORLD)[:, None]
+    BLOCK_W: tl.constexpr = BLOCK_V * WORDS_PER_VECTOR
+    lanes = tl.arange(0, BLOCK_W)[None, :]
+    n_words = n_vec * WORDS_PER_VECTOR
+    chunk = (n_vec + WORLD - 1) // WORLD
+    chunk_words = chunk * WORDS_PER_VECTOR
+    sentinels = tl.full([WORLD, BLOCK_W], SENTINEL, tl.int32)
+    for start in range(pid * BLOCK_V, chunk, nprog * BLOCK_V):
+        k = start * WORDS_PER_VECTOR + lanes
+        mask = (k < chunk_words) & (RANK * chunk_words + k < n_words) & (rows >= 0)
+        words, pending = wait_for_words(reduce_in + k, mask, give_up, timeout_ns, WORLD)
         give_up = _note_timeout(pending, give_up, status_ptr, OP, 0, WORLD)
-        tl.store(out_ptr + offs, sum_rows(words, WORLD, DT)[None, :], mask=offs < n_words)
-        tl.store(inbox + offs, tl.full([WORLD, BLOCK_W], SENTINEL, tl.int32), mask=mask)
-    _next_set(epoch_ptr, pid, set_)
+        # sanitize: a guard, so that nothing this kernel pushes can equal SENTINEL by construction
+        reduced = sanitize(sum_rows(words, WORLD, DT), DT)
+        tl.store(to_gather + k, tl.broadcast_to(reduced[None, :], [WORLD, BLOCK_W]), mask=mask)
+        tl.store(reduce_in + k, sentinels, mask=mask)
+    return give_up
+
+
+@triton.jit
+def two_shot_push_gather(
+    out_ptr, gather_in, status_ptr, give_up, n_vec, timeout_ns, pid, nprog,
+    WORLD: tl.constexpr, BLOCK_V: tl.constexpr, OP: tl.constexpr,
+):  # fmt: skip
+    """Per block of this program's positions of every chunk: wait for the W gather slots of
+    `gather_in`, copy chunk r to out, reset them to SENTINEL."""
+    rows = tl.arange(0, WORLD)[:, None]
+    BLOCK_W: tl.constexpr = BLOCK_V * WORDS_PER_VECTOR
+    lanes = tl.arange(0, BLOCK_W)[None, :]
+    n_words = n_vec * WORDS_PER_VECTOR
+    chunk = (n_vec + WORLD - 1) // WORLD
+    chunk_words = chunk * WORDS_PER_VECTOR
+    sentinels = tl.full([WORLD, BLOCK_W], SENTINEL, tl.int32)
+    for start in range(pid * BLOCK_V, chunk, nprog * BLOCK_V):
+        k = start * WORDS_PER_VECTOR + lanes
+        mask = (k < chunk_words) & (rows * chunk_words + k < n_words)
+        words, pending = wait_for_words(gather_in + k, mask, give_up, timeout_ns, WORLD)
+        give_up = _note_timeout(pending, give_up, status_ptr, OP, 1, WORLD)
+        tl.store(out_ptr + rows * chunk_words + k, words, mask=mask)
+        tl.store(gather_in + k, sentinels, mask=mask)
 
 
 @triton.jit
@@ -472,45 +637,17 @@ def _two_shot_push_kernel(
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     set_ = load_epoch(epoch_ptr, pid)
-    ranks = tl.arange(0, WORLD)
-    rows = ranks[:, None]
-    BLOCK_W: tl.constexpr = BLOCK_V * WORDS_PER_VECTOR
-    lanes = tl.arange(0, BLOCK_W)[None, :]
-    n_words = n_vec * WORDS_PER_VECTOR
-    chunk = (n_vec + WORLD - 1) // WORLD  # vectors per rank's chunk; the last may be short
-    chunk_words = chunk * WORDS_PER_VECTOR
-    peers = _rank_words(buf_ptrs, ranks, base_vecs)
-    mine = _rank_words(buf_ptrs, RANK, base_vecs)
-    # Row r: rank r's reduce slot [RANK] (where chunk r of this input goes) / gather slot [RANK].
-    to_reduce = (peers + reduce_slot(set_, RANK, WORLD, slot_vecs, chunk_vecs))[:, None]
-    to_gather = (peers + gather_slot(set_, RANK, WORLD, slot_vecs, chunk_vecs))[:, None]
-    # Row r: this rank's reduce slot [r] (rank r's part of chunk RANK) / gather slot [r] (chunk r).
-    reduce_in = (mine + reduce_slot(set_, ranks, WORLD, slot_vecs, chunk_vecs))[:, None]
-    gather_in = (mine + gather_slot(set_, ranks, WORLD, slot_vecs, chunk_vecs))[:, None]
-    sentinels = tl.full([WORLD, BLOCK_W], SENTINEL, tl.int32)
-    # Word k of a chunk: word k of a slot, word r * chunk_words + k of the message for chunk r.
-    for start in range(pid * BLOCK_V, chunk, nprog * BLOCK_V):
-        k = start * WORDS_PER_VECTOR + lanes
-        mask = (k < chunk_words) & (rows * chunk_words + k < n_words)
-        words = sanitize(tl.load(inp_ptr + rows * chunk_words + k, mask=mask), DT)
-        tl.store(to_reduce + k, words, mask=mask)
+    to_reduce, to_gather, reduce_in, gather_in = two_shot_push_ptrs(
+        buf_ptrs, set_, base_vecs, slot_vecs, chunk_vecs, RANK, WORLD
+    )
+    two_shot_push_send(inp_ptr, to_reduce, n_vec, pid, nprog, WORLD, DT, BLOCK_V)
     give_up = _timed_out_before(status_ptr)
-    for start in range(pid * BLOCK_V, chunk, nprog * BLOCK_V):
-        k = start * WORDS_PER_VECTOR + lanes
-        mask = (k < chunk_words) & (RANK * chunk_words + k < n_words) & (rows >= 0)
-        words, pending = wait_for_words(reduce_in + k, mask, give_up, timeout_ns, WORLD)
-        give_up = _note_timeout(pending, give_up, status_ptr, OP, 0, WORLD)
-        # sanitize: a guard, so that nothing this kernel pushes can equal SENTINEL by construction
-        reduced = sanitize(sum_rows(words, WORLD, DT), DT)
-        tl.store(to_gather + k, tl.broadcast_to(reduced[None, :], [WORLD, BLOCK_W]), mask=mask)
-        tl.store(reduce_in + k, sentinels, mask=mask)
-    for start in range(pid * BLOCK_V, chunk, nprog * BLOCK_V):
-        k = start * WORDS_PER_VECTOR + lanes
-        mask = (k < chunk_words) & (rows * chunk_words + k < n_words)
-        words, pending = wait_for_words(gather_in + k, mask, give_up, timeout_ns, WORLD)
-        give_up = _note_timeout(pending, give_up, status_ptr, OP, 1, WORLD)
-        tl.store(out_ptr + rows * chunk_words + k, words, mask=mask)
-        tl.store(gather_in + k, sentinels, mask=mask)
+    give_up = two_shot_push_reduce(
+        to_gather, reduce_in, status_ptr, give_up, n_vec, timeout_ns, pid, nprog, RANK, WORLD, DT, BLOCK_V, OP
+    )
+    two_shot_push_gather(
+        out_ptr, gather_in, status_ptr, give_up, n_vec, timeout_ns, pid, nprog, WORLD, BLOCK_V, OP
+    )
     _next_set(epoch_ptr, pid, set_)
 
 
