@@ -161,12 +161,19 @@ def fused_cross_entropy(
     """Mean cross-entropy of `targets` [...] (ids of the whole vocabulary) under `logits` [..., V]: the
     whole vocabulary, or with `group` this rank's shard [vocab_start, vocab_start + V) of a vocabulary
     split over the group's ranks (every rank then gets the same loss, and its shard's gradient)."""
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be integer class ids, got {targets.dtype}")
+    # Checked before flattening: targets of the right count in another layout (transposed [T, B]
+    # for logits [B, T, V]) would otherwise pair each row with another position's target.
+    if logits.dim() == 0:
+        raise ValueError("logits must have a last (vocabulary) dim, got a 0-dim tensor")
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"targets must have the shape of logits without its last (vocabulary) dim, "
+            f"{tuple(logits.shape[:-1])}; got targets {tuple(targets.shape)} for logits {tuple(logits.shape)}"
+        )
     logits = logits.reshape(-1, logits.shape[-1])
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     targets = targets.reshape(-1).contiguous()
-    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
-        raise ValueError(f"targets must be integer class ids, got {targets.dtype}")
-    if targets.shape[0] != logits.shape[0]:
-        raise ValueError(f"{targets.shape[0]} targets for {logits.shape[0]} rows of logits")
     return _FusedCrossEntropy.apply(logits, targets, group, vocab_start, ignore_index)

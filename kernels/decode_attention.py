@@ -6,7 +6,8 @@ wo GEMM applies to its group of K (kernels/fp8_gemm.py).
     q [B, 1, Hq * D], k, v [B, 1, Hkv * D]   (rows may be column slices of one fused qkv output)
     rope [max_seq_len, D / 2, 2]             (the model's whole rotary table, fp32 or cast with the
                                               model; read at the position)
-    input_pos [1] int64 on the device        (every sequence at the same position, read in-kernel)
+    input_pos [1] int64 on the device        (every sequence at the same position, read in-kernel;
+                                              outside [0, L) the output is NaN and the cache untouched)
     k_cache, v_cache [B, Hkv, L, D]          (rotated k and v written at the position)
     -> out [B, 1, Hq * D] bf16, or (e4m3 [B, 1, Hq * D], fp32 scales [B, Hkv])
 
@@ -216,11 +217,12 @@ def _combine_splits(o_part_ptr, m_part_ptr, l_part_ptr, heads, row_mask, dim, SP
 
 
 @triton.jit
-def _write_output(out, rows, out_ptr, scale_ptr, b, h, n_kv_heads, G: tl.constexpr, D: tl.constexpr,
-                  FP8_OUT: tl.constexpr, SNAP: tl.constexpr):  # fmt: skip
+def _write_output(out, rows, out_ptr, scale_ptr, b, h, n_kv_heads, in_cache, G: tl.constexpr,
+                  D: tl.constexpr, FP8_OUT: tl.constexpr, SNAP: tl.constexpr):  # fmt: skip
     """Store a kv head's output rows [rows, D] (fp32, rows past G padding) into the sequence's row of
     out_ptr: in its dtype, or for FP8 as e4m3 with one scale for the kv head at scale_ptr[b, h]. The
-    values are rounded to bf16 first, as the stock path's attention output is."""
+    values are rounded to bf16 first, as the stock path's attention output is. All NaN (values and
+    scale) unless `in_cache`, the position being inside the cache."""
     out_row = out_ptr + b.to(tl.int64) * n_kv_heads * G * D
     ptrs = out_row + (h * G + rows)[:, None] * D + tl.arange(0, D)[None, :]
     valid = (rows < G)[:, None]
@@ -228,9 +230,13 @@ def _write_output(out, rows, out_ptr, scale_ptr, b, h, n_kv_heads, G: tl.constex
         out = downcast(out, tl.bfloat16, SNAP).to(tl.float32)
         amax = tl.max(tl.max(tl.where(valid, tl.abs(out), 0.0), axis=1), axis=0)
         scale = tl.maximum(amax, 1e-12 * 448.0) / 448.0  # kernels.fp8's rule
-        tl.store(scale_ptr + b * n_kv_heads + h, scale)
-        tl.store(ptrs, to_fp8(out, 1.0 / scale, SNAP), mask=valid)
+        tl.store(scale_ptr + b * n_kv_heads + h, tl.where(in_cache, scale, float("nan")))
+        # The e4m3 bits, NaN (0x7F) set after the clamp to the e4m3 range, which need not keep a NaN.
+        bits = to_fp8(out, 1.0 / scale, SNAP).to(tl.uint8, bitcast=True)
+        bits = tl.where(in_cache, bits, 0x7F)
+        tl.store(ptrs, bits.to(tl.float8e4nv, bitcast=True), mask=valid)
     else:
+        out = tl.where(in_cache, out, float("nan"))
         tl.store(ptrs, downcast(out, out_ptr.dtype.element_ty, SNAP), mask=valid)
 
 
@@ -275,9 +281,13 @@ def _decode_attention_kernel(
     dim = tl.arange(0, D)
     rows = tl.arange(0, G_PAD)
     pos = tl.load(pos_ptr)
-    # This split's share of the positions 0 .. pos; a position past the cache (a caller's error) is
-    # neither read nor written.
-    n_positions = tl.minimum(pos + 1, cache_len)
+    # A position outside the cache (a caller's error, on the device so unchecked on the host) reads and
+    # writes nothing out of bounds: the kernel runs at position 0 (in every table and cache, and the
+    # least work), writes no cache row and outputs NaN, where the stock path raises an IndexError.
+    in_cache = (pos >= 0) & (pos < cache_len)
+    pos = tl.where(in_cache, pos, 0)
+    # This split's share of the positions 0 .. pos.
+    n_positions = pos + 1
     share = tl.cdiv(n_positions, SPLITS)
     start = split * share
     end = tl.minimum(start + share, n_positions)
@@ -307,7 +317,7 @@ def _decode_attention_kernel(
     v_new = tl.load(v_ptr + b64 * stride_v + h * D + dim[None, :])
     if SNAP:
         q = q.to(tl.float32)
-    if holds_pos:
+    if holds_pos & in_cache:
         tl.store(k_cache_ptr + cache + pos * D + dim[None, :], k_new)
         tl.store(v_cache_ptr + cache + pos * D + dim[None, :], v_new)
 
@@ -335,7 +345,8 @@ def _decode_attention_kernel(
 
     if SPLITS == 1:
         l_i = tl.where(rows < G, l_i, 1.0)  # padding rows: 1 rather than 0 / 0
-        _write_output(acc / l_i[:, None], rows, out_ptr, scale_ptr, b, h, n_kv_heads, G, D, FP8_OUT, SNAP)
+        out = acc / l_i[:, None]
+        _write_output(out, rows, out_ptr, scale_ptr, b, h, n_kv_heads, in_cache, G, D, FP8_OUT, SNAP)
     else:
         heads = (b64 * n_kv_heads + h) * G + rows
         part = heads * SPLITS + split
@@ -353,10 +364,22 @@ def _decode_attention_kernel(
             out_rows = tl.arange(0, G_ROWS)
             out_heads = (b64 * n_kv_heads + h) * G + out_rows
             out = _combine_splits(o_part_ptr, m_part_ptr, l_part_ptr, out_heads, out_rows < G, dim, SPLITS, D)
-            _write_output(out, out_rows, out_ptr, scale_ptr, b, h, n_kv_heads, G, D, FP8_OUT, SNAP)
+            _write_output(out, out_rows, out_ptr, scale_ptr, b, h, n_kv_heads, in_cache, G, D, FP8_OUT, SNAP)
 
 
 def _check(q, k, v, rope, input_pos, k_cache, v_cache) -> None:
+    """Refuse what the kernel cannot take: called by the ops and by their fake implementations, which a
+    call with a meta tensor among its inputs is sent to (they would return empty tensors on the other
+    inputs' device: garbage, without a word). Under torch.compile every fake tensor reports one device."""
+    if v_cache.device != k_cache.device:
+        raise ValueError(
+            f"k_cache and v_cache must be on one device, got {k_cache.device} and {v_cache.device}"
+        )
+    tensors = {"q": q, "k": k, "v": v, "rope": rope, "input_pos": input_pos}
+    elsewhere = [name for name, t in tensors.items() if t.device != k_cache.device]
+    if elsewhere:
+        got = ", ".join(str(tensors[name].device) for name in elsewhere)
+        raise ValueError(f"{', '.join(elsewhere)} must be on the cache's device {k_cache.device}, got {got}")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(
             f"k_cache and v_cache must both be [B, Hkv, L, D], got {tuple(k_cache.shape)} and "
@@ -400,24 +423,12 @@ def _check(q, k, v, rope, input_pos, k_cache, v_cache) -> None:
     if not rope.is_contiguous():
         raise ValueError("rope must be contiguous")
     if rope.shape[0] < k_cache.shape[2]:
-        # The kernel reads the row at the position unchecked (it lives on the device): past the table's
-        # end that is other memory, and the output garbage.
+        # The kernel reads the row at the position (which it keeps in [0, L)): past the table's end that
+        # would be other memory, and the output garbage.
         raise ValueError(
             f"rope has {rope.shape[0]} positions for a cache of {k_cache.shape[2]}: pass the model's whole "
             "rotary table"
         )
-    tensors = {
-        "q": q,
-        "k": k,
-        "v": v,
-        "rope": rope,
-        "input_pos": input_pos,
-        "k_cache": k_cache,
-        "v_cache": v_cache,
-    }
-    elsewhere = [name for name, t in tensors.items() if t.device != k_cache.device]
-    if elsewhere:
-        raise ValueError(f"{', '.join(elsewhere)} must be on the cache's device {k_cache.device}")
     if input_pos.shape != (1,) or input_pos.dtype != torch.int64:
         raise ValueError(
             f"input_pos must be one int64 position [1] (every sequence at the same position), got "
@@ -475,6 +486,7 @@ def decode_attention_bf16(
 
 @decode_attention_bf16.register_fake
 def _(q, k, v, rope, input_pos, k_cache, v_cache):
+    _check(q, k, v, rope, input_pos, k_cache, v_cache)
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
@@ -501,6 +513,7 @@ def decode_attention_fp8(
 
 @decode_attention_fp8.register_fake
 def _(q, k, v, rope, input_pos, k_cache, v_cache):
+    _check(q, k, v, rope, input_pos, k_cache, v_cache)
     return q.new_empty(q.shape, dtype=FP8), q.new_empty(q.shape[0], k_cache.shape[1], dtype=torch.float32)
 
 
@@ -518,7 +531,8 @@ def decode_attention(
     updates: q [B, 1, Hq * D], k, v [B, 1, Hkv * D] as projected (not yet rotated), rope the model's
     whole rotary table. Returns [B, 1, Hq * D] in the cache's dtype, or with `fp8` the e4m3 values and
     their fp32 scales [B, Hkv] (scale = amax / 448 of each kv head's G * D outputs; fp8_gemm takes them
-    as scales per token and group of K)."""
+    as scales per token and group of K). A position outside [0, L) (unchecked on the host: it lives on
+    the device) leaves the cache as it is and makes the output, and scales, all NaN."""
     op = decode_attention_fp8 if fp8 else decode_attention_bf16
     return op(q, k, v, rope, input_pos, k_cache, v_cache)
 

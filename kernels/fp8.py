@@ -246,10 +246,7 @@ def row_grid(rows: int, device: torch.device, min_rows_per_sm: int | None = None
 @torch.library.custom_op("weft::quantize_per_token", mutates_args=())
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (bf16/fp16/fp32) -> e4m3 [M, K] and fp32 per-row scales [M]."""
-    if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError(
-            f"quantize_per_token takes a row-contiguous [M, K] tensor, got shape {tuple(x.shape)}"
-        )
+    _check_rows(x)
     out = torch.empty(x.shape, dtype=FP8, device=x.device)
     scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
     block, warps = row_launch(x.shape[1])
@@ -269,6 +266,15 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, scale
 
 
+def _check_rows(x: torch.Tensor) -> None:
+    """quantize_per_token's input check, also run by its fake implementation (meta or compiled calls)."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(
+            f"quantize_per_token takes a row-contiguous [M, K] tensor, got shape {tuple(x.shape)}"
+        )
+
+
 @quantize_per_token.register_fake
 def _(x):
+    _check_rows(x)
     return torch.empty(x.shape, dtype=FP8, device=x.device), x.new_empty(x.shape[0], dtype=torch.float32)

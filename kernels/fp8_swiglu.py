@@ -103,12 +103,19 @@ def _swiglu_kernel(
         _swiglu_row(gate, up, pid, cols, mask, out_ptr, scale_ptr, inv_static, stride_o, QUANT, SNAP)
 
 
-def _check(x: torch.Tensor) -> None:
-    """Refuse what the kernel cannot take; called before the output is allocated from x's shape."""
+def _check(x: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+    """Refuse what the kernel cannot take; called before the output is allocated from x's shape, and by
+    the fake implementations, which a call with a meta tensor among its inputs is sent to (they would
+    return empty tensors on x's device: garbage, without a word). Under torch.compile every fake tensor
+    reports one device."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"swiglu takes bf16 or fp16 input, got {x.dtype}")
     if x.dim() != 2 or x.stride(-1) != 1 or x.shape[1] % 2:
         raise ValueError(f"x must be a row-contiguous [rows, 2 * hidden] tensor, got shape {tuple(x.shape)}")
+    if scale is not None:
+        if scale.device != x.device:
+            raise ValueError(f"x and scale must be on one device, got {x.device} and {scale.device}")
+        check_static_scale(scale)
 
 
 def _launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, quant: int) -> None:
@@ -141,19 +148,19 @@ def _launch(x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, quant: int)
 @torch.library.custom_op("weft::swiglu_fp8", mutates_args=())
 def swiglu_fp8(x: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, 2H] = [gate | up] -> (e4m3 [M, H], fp32 scales): static `scale`, or per row when None."""
-    _check(x)
+    _check(x, scale)
     out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=FP8, device=x.device)
     if scale is None:
         scales = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         _launch(x, out, scales, QUANT_DYNAMIC)
         return out, scales
-    check_static_scale(scale)
     _launch(x, out, scale, QUANT_STATIC)
     return out, scale.clone()
 
 
 @swiglu_fp8.register_fake
 def _(x, scale):
+    _check(x, scale)
     scales = x.new_empty(x.shape[0], dtype=torch.float32) if scale is None else torch.empty_like(scale)
     return x.new_empty(x.shape[0], x.shape[1] // 2, dtype=FP8), scales
 
@@ -169,6 +176,7 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
 
 @swiglu.register_fake
 def _(x):
+    _check(x)
     return x.new_empty(x.shape[0], x.shape[1] // 2)
 
 

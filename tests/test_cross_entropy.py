@@ -3,6 +3,8 @@ logits, and the vocabulary-parallel loss over ranks each holding a shard. Fresh 
 vocabularies (not multiples of the kernel's block), ignored targets, poisoned gradients; the loss and
 the logits' gradient compared by relative error. On CPU through Triton's interpreter, on a GPU natively."""
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -61,6 +63,20 @@ def test_a_target_outside_the_vocabulary_gives_nan() -> None:
     assert not fused(logits, targets)[0].isnan()
     with pytest.raises(ValueError, match=r"targets must be integer class ids, got torch\.float32"):
         fused_cross_entropy(logits, targets.float())
+
+
+def test_targets_of_another_shape_are_refused() -> None:
+    """Targets are checked against logits[..., V] before either is flattened: transposed targets
+    [T, B] for logits [B, T, V] hold the right number of ids but would pair each logit row with another
+    position's target, a plausible wrong loss."""
+    logits = torch.randn(2, 3, 50, device=DEVICE)
+    targets = torch.randint(0, 50, (2, 3), device=DEVICE)
+    for wrong in (targets.t().contiguous(), targets.reshape(-1)):
+        message = f"got targets {tuple(wrong.shape)} for logits (2, 3, 50)"
+        with pytest.raises(ValueError, match=re.escape(message)):
+            fused_cross_entropy(logits, wrong)
+    flat = fused_cross_entropy(logits.reshape(6, 50), targets.reshape(-1))
+    assert rel_err(fused_cross_entropy(logits, targets), flat) == 0
 
 
 def test_every_target_ignored_gives_zero() -> None:

@@ -193,6 +193,35 @@ def test_a_group_too_large_to_split_runs_unsplit(poisoned: None) -> None:
     assert_matches_reference((1, 80, 1, 256, 16, 7), fp8=False)
 
 
+@pytest.mark.parametrize("shape", [(1, 4, 1, 16, 40), (3, 6, 3, 32, 100)], ids=["split", "unsplit"])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_a_position_outside_the_cache_gives_nan(
+    monkeypatch: pytest.MonkeyPatch, tiles: None, shape: tuple[int, ...], fp8: bool
+) -> None:
+    """input_pos lives on the device, unchecked on the host: a position past the cache's end or below
+    0 (where the stock path raises an IndexError) writes no cache row, reads no rotary row past a table
+    of exactly the cache's length, and gives an all-NaN output (and FP8 scales), not a plausible one.
+    The op's allocations start zeroed, so the NaN is the kernel's."""
+    for allocate in ("empty", "empty_like"):
+        real = getattr(torch, allocate)
+        monkeypatch.setattr(torch, allocate, lambda *args, real=real, **kwargs: real(*args, **kwargs).zero_())
+    cache_len = shape[-1]
+    for pos in (cache_len, -1):
+        q, k, v, rope, input_pos, k_cache, v_cache = inputs(*shape, pos)
+        rope = rope[:cache_len].contiguous()
+        k_before, v_before = k_cache.clone(), v_cache.clone()
+        out = decode_attention(q, k, v, rope, input_pos, k_cache, v_cache, fp8=fp8)
+        values, scales = out if fp8 else (out, None)
+        if fp8:
+            assert scales.isnan().all(), f"position {pos}"
+            assert (values.view(torch.uint8) & 0x7F == 0x7F).all(), f"position {pos}"  # e4m3 NaN
+        else:
+            assert values.isnan().all(), f"position {pos}"
+        assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before), f"position {pos}"
+        with pytest.raises(IndexError):
+            decode_attention_reference(q, k, v, rope, input_pos, k_cache, v_cache, fp8=fp8)
+
+
 def test_caches_of_two_dtypes_are_refused() -> None:
     q, k, v, rope, pos, k_cache, v_cache = inputs(2, 4, 2, 16, 8, 3)
     for fn in (decode_attention, decode_attention_reference):
@@ -218,7 +247,7 @@ def test_no_sequences_give_empty_outputs(fp8: bool) -> None:
         ({"n_heads": 5, "n_kv_heads": 2}, "multiple of key/value heads"),
         ({"seqlen": 2}, "one new token per sequence"),
         ({"positions": 2}, "one int64 position"),
-        ({"pos_device": "meta"}, "input_pos must be on the cache's device"),
+        ({"pos_device": "meta"}, "input_pos must be on the cache's device cpu, got meta"),
         ({"rope_len": 6}, "the model's whole rotary table"),
     ],
 )
@@ -234,15 +263,32 @@ def test_bad_shapes_are_refused_clearly(change: dict[str, int | str], message: s
     rope = torch.zeros(change.get("rope_len", cache_len), head_dim // 2, 2)
     pos = torch.zeros(change.get("positions", 1), dtype=torch.long, device=change.get("pos_device", "cpu"))
     cache = torch.zeros(batch, n_kv_heads, cache_len, head_dim, dtype=torch.bfloat16)
-    # A meta tensor among the inputs sends the op to its fake implementation: the reference runs the
-    # same checks.
-    for fn in (
-        (decode_attention_reference,)
-        if "pos_device" in change
-        else (decode_attention, decode_attention_reference)
-    ):
+    for fn in (decode_attention, decode_attention_reference):
         with pytest.raises(ValueError, match=message):
             fn(q, k, k.clone(), rope, pos, cache, cache.clone())
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_a_meta_input_is_refused(fp8: bool) -> None:
+    """A meta tensor among the inputs sends the op to its fake implementation, which would return empty
+    tensors on the other inputs' device (garbage, the cache not written): it runs the op's checks, so
+    each input on the meta device is named. All on meta (shapes only) stays a fake call."""
+    real = inputs(2, 4, 2, 16, 8, 3)
+    device = real[0].device  # cuda:0, not cuda
+    names = ["q", "k", "v", "rope", "input_pos", "k_cache", "v_cache"]
+    for i, name in enumerate(names):
+        args = [t.to("meta") if j == i else t for j, t in enumerate(real)]
+        if name == "k_cache":
+            message = f"k_cache and v_cache must be on one device, got meta and {device}"
+        elif name == "v_cache":
+            message = f"k_cache and v_cache must be on one device, got {device} and meta"
+        else:
+            message = f"{name} must be on the cache's device {device}, got meta"
+        with pytest.raises(ValueError, match=message):
+            decode_attention(*args, fp8=fp8)
+    out = decode_attention(*[t.to("meta") for t in real], fp8=fp8)
+    values = out[0] if fp8 else out
+    assert values.device.type == "meta" and values.shape == real[0].shape
 
 
 def tiny_model(n_heads: int = 4, n_kv_heads: int = 2, decode_kernels: bool = True) -> Llama:

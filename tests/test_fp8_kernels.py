@@ -208,7 +208,9 @@ def quantize_groups(x: torch.Tensor, groups: int) -> tuple[torch.Tensor, torch.T
         (200, 1024, 2, GemmConfig(64, 256, 3, swap_ab=True)),  # a split inside a group
         (72, 768, 6, GemmConfig(32, 128, 2, swap_ab=False)),
         (136, 1024, 16, GemmConfig(64, 256, 1, num_stages=5, swap_ab=True, early_tile=False)),  # tile 64
-        (64, 4096, 8, GemmConfig(64, 512, 2, swap_ab=True)),  # Llama-3-8B's wo: a kv head's 512 per group
+        # Llama-3-8B's wo: a kv head's 512 per group (2 stages: at M = 33 the 64-row tiles of 3 or more
+        # stages and the early tile pass Hopper's 227 KiB of shared memory)
+        (64, 4096, 8, GemmConfig(64, 512, 2, num_stages=2, swap_ab=True)),
     ],
 )
 def test_skinny_gemm_group_scales(
@@ -648,3 +650,26 @@ def test_bf16_gemm_realistic(
     monkeypatch.setattr(fp8, "USE_PDL", pdl)
     a, b = bf16(m, k), bf16(n, k, scale=0.02)
     assert rel_err(_graph_calls(lambda: bf16_gemm(a, b)), bf16_gemm_reference(a, b)) < 1e-2
+
+
+def test_a_meta_input_is_refused() -> None:
+    """A meta tensor among an op's inputs sends the call to its fake implementation, which would return
+    empty tensors on the other inputs' device (garbage, without a word): the fakes run the ops' checks,
+    so a static scale on another device than x is named. An op of one input on meta gives meta outputs
+    (shapes only), checked as the real call is."""
+    x, scale = bf16(3, 128), torch.tensor([0.05], device=DEVICE)
+    with pytest.raises(ValueError, match=f"x and scale must be on one device, got {x.device} and meta"):
+        swiglu_fp8(x, scale.to("meta"))
+    with pytest.raises(ValueError, match=f"x and scale must be on one device, got meta and {x.device}"):
+        swiglu_fp8(x.to("meta"), scale)
+    values, scales = swiglu_fp8(x.to("meta"), scale.to("meta"))
+    assert values.device.type == scales.device.type == "meta" and values.shape == (3, 64)
+    assert swiglu(x.to("meta")).shape == (3, 64)
+    values, scales = quantize_per_token(x.to("meta"))
+    assert values.device.type == "meta" and values.shape == (3, 128) and scales.shape == (3,)
+    with pytest.raises(ValueError, match="2 \\* hidden"):
+        swiglu(bf16(3, 63).to("meta"))
+    with pytest.raises(ValueError, match="one number per tensor"):
+        swiglu_fp8(x.to("meta"), torch.ones(3, device="meta"))
+    with pytest.raises(ValueError, match=r"row-contiguous \[M, K\]"):
+        quantize_per_token(bf16(64).to("meta"))
