@@ -64,6 +64,7 @@ from benchmarks.bench_fp8_floors import BLOCKS, WARPS, launch, read_floor, read_
 from benchmarks.common import add_decode_shape_args, time_graph, write_results
 from kernels.decode_attention import decode_attention, num_splits
 from kernels.fp8 import FP8, pdl_wait, quantize_reference
+from kernels.fp8_gemm import partial_count
 from model.args import ModelArgs
 from model.decode import Bf16Kernels
 from model.fp8 import Fp8Kernels
@@ -174,7 +175,8 @@ def weft_call(
     bf16 = partial(torch.randn, device=device, dtype=torch.bfloat16)
     if op.kind == "GEMM":
         n, k = op.shape
-        weight = kernels.weight(bf16(n, k) * 0.02)  # FP8: quantized per channel, as served
+        # FP8: quantized per channel, as served; wo and w2 leave their split-K partials to the norm.
+        weight = kernels.weight(bf16(n, k) * 0.02, partials=op.name in ("wo", "w2"))
         x = bf16(batch, k)
         if not fp8:
             return partial(weight, x)
@@ -187,7 +189,12 @@ def weft_call(
         norm_weight = torch.rand(args.dim, device=device, dtype=torch.bfloat16) + 0.5
         if op.name == "norm":
             return partial(kernels.norm, x, norm_weight, args.norm_eps)
-        return partial(kernels.add_norm, x, bf16(batch, args.dim), norm_weight, args.norm_eps)
+        # The pending input is w2's (or wo's) split-K partials, as many as w2 leaves.
+        a = torch.empty(batch, args.ffn_hidden, device=device, dtype=FP8 if fp8 else torch.bfloat16)
+        w2 = torch.empty(args.dim, args.ffn_hidden, device=device, dtype=a.dtype)
+        slices = partial_count(a, torch.ones(batch, device=device) if fp8 else None, w2)
+        pending = torch.randn(slices, batch, args.dim, device=device)
+        return partial(kernels.add_norm, pending, bf16(batch, args.dim), norm_weight, args.norm_eps)
     if op.kind == "SwiGLU":
         return partial(kernels.swiglu, bf16(batch, 2 * args.ffn_hidden))
     if op.kind == "attention":

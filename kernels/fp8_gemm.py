@@ -13,7 +13,10 @@ from shared memory, where the unswapped [16, K] x [K, BLOCK_N] tile goes through
 operands converted to fp16 in registers. With split_k > 1 the other slices write fp32 partials into a
 workspace kept at a sentinel (EMPTY) between calls, and the last slice of each column tile reads them
 as they land (each element its own arrival flag), sums them in slice order and re-arms the workspace:
-one launch, a deterministic result, no zero-fill and no counter round trip.
+one launch, a deterministic result, no zero-fill and no counter round trip. Where the product goes
+straight into an add + RMSNorm (the decode step's wo and w2), `fp8_gemm_partials` / `bf16_gemm_partials`
+leave every slice's fp32 partial unsummed and that kernel sums them as it loads its input, which takes
+the last slice's wait and L2 round trip off the end of the call.
 
 Hopper's e4m3 wgmma does not keep a full fp32 sum across a chain of instructions: left to run over
 all of K, all-positive operands came out 4-19% low at K = 4096-16384 on H200 (torch._scaled_mm:
@@ -223,6 +226,7 @@ def _skinny_gemm_kernel(
     SWAP_AB: tl.constexpr,
     EARLY_TILE: tl.constexpr,
     SPLIT: tl.constexpr,
+    PARTIALS: tl.constexpr,
     SNAP: tl.constexpr,
     UPCAST: tl.constexpr,
     PDL: tl.constexpr,
@@ -304,7 +308,8 @@ def _skinny_gemm_kernel(
     else:
         splits = tl.num_programs(1)
         tile = offs_m[:, None] * N + offs_n[None, :]
-        if pid_k < splits - 1:
+        if PARTIALS or pid_k < splits - 1:
+            # PARTIALS: every slice's partial is the output, summed by the kernel that reads it.
             tl.store(partial_ptr + pid_k * M * N + tile, acc, mask=mask)
         else:
             # The last K slice (launched after the others, so never waiting on a program that has
@@ -387,38 +392,51 @@ def _check_bf16(a: torch.Tensor, b: torch.Tensor) -> None:
         raise ValueError("bf16_gemm needs A and B contiguous along K")
 
 
-def _skinny_gemm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_scale: torch.Tensor | None,
-    b_scale: torch.Tensor | None,
-    config: GemmConfig | None,
-) -> torch.Tensor:
-    """Launch the kernel on checked operands: e4m3 with their scales, or bf16 with None for both."""
-    (m, k), n = a.shape, b.shape[0]
-    if m > MAX_M:
-        raise ValueError(f"the skinny GEMM handles M <= {MAX_M}, got M={m}: use fp8_gemm or bf16_gemm")
-    if m == 0:
-        # No rows: an empty per-token a_scale would be taken for a per-tensor one and read unmasked
-        # (a segfault in the interpreter, an illegal address on the GPU).
-        return torch.empty(0, n, dtype=torch.bfloat16, device=a.device)
-    if k == 0 or n == 0:
-        # An empty sum over K is zero; no K or no columns would also leave the split arithmetic nothing
-        # to divide.
-        return torch.zeros(m, n, dtype=torch.bfloat16, device=a.device)
-    cfg = config or config_for(m, n, k, a.device, a.dtype)
-    group = k // a_groups(a_scale) if a_scale is not None and a_groups(a_scale) > 1 else 0
+def _plan(
+    m: int, n: int, k: int, group: int, config: GemmConfig | None, device: torch.device, dtype: torch.dtype
+) -> tuple[GemmConfig, int, int]:
+    """(config, K elements per split, splits) of a launch; `group`: K elements per A scale group (0:
+    none), inside which each K tile must lie."""
+    cfg = config or config_for(m, n, k, device, dtype)
     if group:
         # Each K tile must lie in one group: halve the tile until it divides the group.
         block_k = cfg.block_k
         while group % block_k:
             block_k //= 2
         cfg = replace(cfg, block_k=block_k)
-    out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    splits = triton.cdiv(k, k_per_split)
+    return cfg, k_per_split, triton.cdiv(k, k_per_split)
+
+
+def _skinny_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor | None,
+    b_scale: torch.Tensor | None,
+    config: GemmConfig | None,
+    partials: bool = False,
+) -> torch.Tensor:
+    """Launch the kernel on checked operands: e4m3 with their scales, or bf16 with None for both.
+    bf16 [M, N]; with `partials`, the split-K slices' fp32 partials [splits, M, N] unsummed."""
+    (m, k), n = a.shape, b.shape[0]
+    if m > MAX_M:
+        raise ValueError(f"the skinny GEMM handles M <= {MAX_M}, got M={m}: use fp8_gemm or bf16_gemm")
+    out_dtype = torch.float32 if partials else torch.bfloat16
+    if m == 0:
+        # No rows: an empty per-token a_scale would be taken for a per-tensor one and read unmasked
+        # (a segfault in the interpreter, an illegal address on the GPU).
+        return torch.empty(*(1,) * partials, 0, n, dtype=out_dtype, device=a.device)
+    if k == 0 or n == 0:
+        # An empty sum over K is zero; no K or no columns would also leave the split arithmetic nothing
+        # to divide.
+        return torch.zeros(*(1,) * partials, m, n, dtype=out_dtype, device=a.device)
+    group = k // a_groups(a_scale) if a_scale is not None and a_groups(a_scale) > 1 else 0
+    cfg, k_per_split, splits = _plan(m, n, k, group, config, a.device, a.dtype)
+    out = torch.empty(*(splits,) * partials, m, n, dtype=out_dtype, device=a.device)
     tiles = triton.cdiv(n, cfg.block_n)
-    partial = split_workspace(a.device, (splits - 1) * m * n) if splits > 1 else out
+    # The other slices' partials: the output itself, or the workspace the last slice sums them from.
+    exchange = splits > 1 and not partials
+    partial = split_workspace(a.device, (splits - 1) * m * n) if exchange else out
     scaled = a_scale is not None and b_scale is not None
     _skinny_gemm_kernel[(tiles, splits)](
         a,
@@ -433,7 +451,7 @@ def _skinny_gemm(
         k_per_split,
         a.stride(0),
         b.stride(0),
-        out.stride(0),
+        n,
         SCALED=scaled,
         A_PER_TOKEN=scaled and a_scale.numel() > 1,
         A_GROUP=group,
@@ -444,6 +462,7 @@ def _skinny_gemm(
         SWAP_AB=cfg.swap_ab,
         EARLY_TILE=int(cfg.early_tile),
         SPLIT=splits > 1,
+        PARTIALS=partials,
         SNAP=INTERPRETED,
         UPCAST=INTERPRETED and not scaled,
         PDL=pdl_for(a.device),
@@ -460,23 +479,42 @@ def skinny_fp8_gemm(
     b: torch.Tensor,
     b_scale: torch.Tensor,
     config: GemmConfig | None = None,
+    partials: bool = False,
 ) -> torch.Tensor:
     """The Triton kernel for M <= 64 (see the module docstring); `config` overrides the tuned one (with
-    A scaled per group of K, its block_k shrunk to divide the group)."""
+    A scaled per group of K, its block_k shrunk to divide the group); `partials` as fp8_gemm_partials."""
     _check(a, a_scale, b, b_scale)
     if a.shape[0] > MAX_M:
         raise ValueError(f"skinny_fp8_gemm handles M <= {MAX_M}, got M={a.shape[0]}: use fp8_gemm")
-    if a_groups(a_scale) > 1 and a.shape[1] // a_groups(a_scale) % MIN_A_GROUP:
+    if _requantized(a, a_scale):
         a, a_scale = requantize_per_token(a, a_scale)
-    return _skinny_gemm(a, b, a_scale, b_scale, config)
+    return _skinny_gemm(a, b, a_scale, b_scale, config, partials)
 
 
-def skinny_bf16_gemm(a: torch.Tensor, b: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
-    """The Triton kernel on bf16 operands, A [M <= 64, K] @ B [N, K]^T; `config` overrides the tuned one."""
+def _requantized(a: torch.Tensor, a_scale: torch.Tensor) -> bool:
+    """Whether the skinny kernel takes A re-quantized per token: groups of K below MIN_A_GROUP."""
+    return a_groups(a_scale) > 1 and a.shape[1] // a_groups(a_scale) % MIN_A_GROUP != 0
+
+
+def skinny_bf16_gemm(
+    a: torch.Tensor, b: torch.Tensor, config: GemmConfig | None = None, partials: bool = False
+) -> torch.Tensor:
+    """The Triton kernel on bf16 operands, A [M <= 64, K] @ B [N, K]^T; `config` overrides the tuned one;
+    `partials` as bf16_gemm_partials."""
     _check_bf16(a, b)
     if a.shape[0] > MAX_M:
         raise ValueError(f"skinny_bf16_gemm handles M <= {MAX_M}, got M={a.shape[0]}: use bf16_gemm")
-    return _skinny_gemm(a, b, None, None, config)
+    return _skinny_gemm(a, b, None, None, config, partials)
+
+
+def partial_count(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor) -> int:
+    """The slices of fp8_gemm_partials' (a_scale None: bf16_gemm_partials') output: the tuned split of
+    K at M <= 64, else 1."""
+    (m, k), n = a.shape, b.shape[0]
+    if not (0 < m <= MAX_M and k and n):
+        return 1
+    grouped = a_scale is not None and a_groups(a_scale) > 1 and not _requantized(a, a_scale)
+    return _plan(m, n, k, k // a_groups(a_scale) if grouped else 0, None, a.device, a.dtype)[2]
 
 
 @torch.library.custom_op("weft::fp8_gemm", mutates_args=())
@@ -515,6 +553,27 @@ def _(a, a_scale, b, b_scale):
     return a.new_empty(a.shape[0], b.shape[0], dtype=torch.bfloat16)
 
 
+# Split-K partials for the kernel that reads the product: the skinny kernel's slices each store their fp32
+# partial and end, where fp8_gemm's last slice waits for the others' and sums them (one more L2 round trip
+# at the end of the call, 0.6-1.6 us). add_rmsnorm / add_rmsnorm_fp8 sum them in slice order as they load
+# x, rounding to bf16 as this kernel would: the same values, bit for bit.
+@torch.library.custom_op("weft::fp8_gemm_partials", mutates_args=())
+def fp8_gemm_partials(
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor
+) -> torch.Tensor:
+    """fp8_gemm's product as fp32 partials [S, M, N] (S = partial_count) whose sum in slice order,
+    rounded to bf16, is fp8_gemm's output; [1, M, N] past M = 64."""
+    _check(a, a_scale, b, b_scale)
+    if a.shape[0] <= MAX_M:
+        return skinny_fp8_gemm(a, a_scale, b, b_scale, partials=True)
+    return fp8_gemm(a, a_scale, b, b_scale).float().unsqueeze(0)
+
+
+@fp8_gemm_partials.register_fake
+def _(a, a_scale, b, b_scale):
+    return a.new_empty(partial_count(a, a_scale, b), a.shape[0], b.shape[0], dtype=torch.float32)
+
+
 def fp8_gemm_reference(
     a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor
 ) -> torch.Tensor:
@@ -534,6 +593,20 @@ def bf16_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @bf16_gemm.register_fake
 def _(a, b):
     return a.new_empty(a.shape[0], b.shape[0])
+
+
+@torch.library.custom_op("weft::bf16_gemm_partials", mutates_args=())
+def bf16_gemm_partials(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """bf16_gemm's product as fp32 partials [S, M, N], as fp8_gemm_partials."""
+    _check_bf16(a, b)
+    if a.shape[0] <= MAX_M:
+        return skinny_bf16_gemm(a, b, partials=True)
+    return F.linear(a, b).float().unsqueeze(0)
+
+
+@bf16_gemm_partials.register_fake
+def _(a, b):
+    return a.new_empty(partial_count(a, None, b), a.shape[0], b.shape[0], dtype=torch.float32)
 
 
 def bf16_gemm_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,8 @@ finishes row i, and each row of the last, ragged round gets a program of its own
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -41,6 +43,20 @@ QUANT_NONE, QUANT_STATIC, QUANT_DYNAMIC = 0, 1, 2
 @triton.jit
 def _sum_and_max(s1, m1, s2, m2):
     return s1 + s2, tl.maximum(m1, m2)
+
+
+@triton.jit
+def _load_x(x_ptr, row, stride_x, stride_xs, cols, mask, X_SLICES: tl.constexpr, DT: tl.constexpr,
+            SNAP: tl.constexpr):  # fmt: skip
+    """Row `row` of x: loaded, or with X_SLICES the sum of its split-K partials (fp32, slice order)
+    rounded to DT, as the GEMM that left them would have rounded it (kernels.fp8_gemm.fp8_gemm_partials)."""
+    ptrs = x_ptr + tl.cast(row, tl.int64) * stride_x + cols
+    if X_SLICES == 0:
+        return tl.load(ptrs, mask=mask, other=0.0)
+    total = tl.zeros(cols.shape, tl.float32)
+    for s in tl.static_range(X_SLICES):
+        total += tl.load(ptrs + s * stride_xs, mask=mask, other=0.0)
+    return downcast(total, DT, SNAP)
 
 
 @triton.jit
@@ -103,10 +119,12 @@ def _add_rmsnorm_kernel(
     N,
     eps,
     stride_x,
+    stride_xs,
     stride_r,
     stride_ro,
     stride_o,
     HAS_RESIDUAL: tl.constexpr,
+    X_SLICES: tl.constexpr,
     QUANT: tl.constexpr,
     BLOCK: tl.constexpr,
     PERSISTENT: tl.constexpr,
@@ -116,6 +134,7 @@ def _add_rmsnorm_kernel(
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    DT: tl.constexpr = res_out_ptr.dtype.element_ty  # x's dtype, or its partials' sum's
     if PERSISTENT:
         pdl_wait(PDL, True)
         inv_static = static_inv_scale(scale_ptr, QUANT)
@@ -127,7 +146,7 @@ def _add_rmsnorm_kernel(
         first = tl.where(walker, pid, n_walked + pid - walkers)
         end = tl.where(walker, n_walked, first + 1)
         step = tl.where(walker, walkers, 1)
-        x = tl.load(x_ptr + tl.cast(first, tl.int64) * stride_x + cols, mask=mask, other=0.0)
+        x = _load_x(x_ptr, first, stride_x, stride_xs, cols, mask, X_SLICES, DT, SNAP)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + tl.cast(first, tl.int64) * stride_r + cols, mask=mask, other=0.0)
         else:
@@ -136,7 +155,7 @@ def _add_rmsnorm_kernel(
             # Issue the next row's loads first: they stream from HBM while this row is finished.
             nxt = tl.cast(row + step, tl.int64)
             more = mask & (nxt < end)
-            x_next = tl.load(x_ptr + nxt * stride_x + cols, mask=more, other=0.0)
+            x_next = _load_x(x_ptr, nxt, stride_x, stride_xs, cols, more, X_SLICES, DT, SNAP)
             if HAS_RESIDUAL:
                 r_next = tl.load(res_ptr + nxt * stride_r + cols, mask=more, other=0.0)
             else:
@@ -154,7 +173,7 @@ def _add_rmsnorm_kernel(
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         pdl_wait(PDL, True)
         inv_static = static_inv_scale(scale_ptr, QUANT)
-        x = tl.load(x_ptr + tl.cast(pid, tl.int64) * stride_x + cols, mask=mask, other=0.0)
+        x = _load_x(x_ptr, pid, stride_x, stride_xs, cols, mask, X_SLICES, DT, SNAP)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + tl.cast(pid, tl.int64) * stride_r + cols, mask=mask, other=0.0)
         else:
@@ -166,25 +185,36 @@ def _add_rmsnorm_kernel(
 
 
 def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
-    if x.dtype not in (torch.bfloat16, torch.float16) or (residual is not None and residual.dtype != x.dtype):
-        raise ValueError(f"x and residual must share a 16-bit float dtype, got {x.dtype}")
-    if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError(f"x must be a row-contiguous [rows, hidden] tensor, got shape {tuple(x.shape)}")
-    if weight.shape != (x.shape[1],) or weight.stride(0) != 1:
-        raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {x.shape[1]}")
-    if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
+    """x [rows, hidden] in residual's 16-bit dtype, or (with a residual) fp32 split-K partials
+    [slices, rows, hidden] (kernels.fp8_gemm.fp8_gemm_partials), summed before the add."""
+    partials = residual is not None and x.dim() == 3
+    if partials and (x.dtype != torch.float32 or not x.is_contiguous()):
         raise ValueError(
-            f"residual shape {tuple(residual.shape)} must equal x's {tuple(x.shape)}, rows contiguous"
+            f"x as split-K partials must be a contiguous fp32 [slices, rows, hidden], got {x.dtype}"
+        )
+    dtype = residual.dtype if partials else x.dtype
+    if dtype not in (torch.bfloat16, torch.float16) or (residual is not None and residual.dtype != dtype):
+        dtypes = f"x {x.dtype}" + (f", residual {residual.dtype}" if residual is not None else "")
+        raise ValueError(f"x and residual must share a 16-bit float dtype, got {dtypes}")
+    rows = x[0] if partials else x
+    if rows.dim() != 2 or rows.stride(-1) != 1:
+        raise ValueError(f"x must be a row-contiguous [rows, hidden] tensor, got shape {tuple(x.shape)}")
+    if weight.shape != (rows.shape[1],) or weight.stride(0) != 1:
+        raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {rows.shape[1]}")
+    if residual is not None and (residual.shape != rows.shape or residual.stride(-1) != 1):
+        raise ValueError(
+            f"residual shape {tuple(residual.shape)} must equal x's rows {tuple(rows.shape)}, rows contiguous"
         )
 
 
 def _launch(x, residual, residual_out, weight, eps, out, scale, quant: int) -> None:
-    rows = x.shape[0]
+    slices = x.shape[0] if x.dim() == 3 else 0  # split-K partials to sum (_check)
+    rows, hidden = x.shape[-2:]
     if rows == 0:
         return
     walkers, persistent = row_grid(rows, x.device, fp8.NORM_PERSISTENT_ROWS_PER_SM)
     walked = rows - rows % walkers if persistent else rows
-    block, warps = row_launch(x.shape[1], None if persistent else fp8.NORM_ELEMENTS_PER_WARP)
+    block, warps = row_launch(hidden, None if persistent else fp8.NORM_ELEMENTS_PER_WARP)
     _add_rmsnorm_kernel[(walkers + rows - walked,)](
         x,
         residual if residual is not None else x,
@@ -194,13 +224,15 @@ def _launch(x, residual, residual_out, weight, eps, out, scale, quant: int) -> N
         scale,
         walked,
         walkers,
-        x.shape[1],
+        hidden,
         eps,
-        x.stride(0),
+        x.stride(-2),
+        x.stride(0) if slices else 0,
         residual.stride(0) if residual is not None else 0,
         residual_out.stride(0) if residual_out is not None else 0,
         out.stride(0),
         HAS_RESIDUAL=residual is not None,
+        X_SLICES=slices,
         QUANT=quant,
         BLOCK=block,
         PERSISTENT=persistent,
@@ -228,11 +260,12 @@ def add_rmsnorm_fp8(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(e4m3 [M, N], fp32 scales, residual + x) with RMSNorm(residual + x) * weight quantized: with the
-    static per-tensor `scale`, or (None) one scale per row.
+    static per-tensor `scale`, or (None) one scale per row. x: bf16 [M, N], or fp32 split-K partials
+    [S, M, N] (kernels.fp8_gemm.fp8_gemm_partials), summed in slice order and rounded first.
 
     Scale convention (kernels.fp8): scale = amax / 448, q = e4m3(y / scale), y ~= q * scale."""
     _check(x, residual, weight)
-    out, scales, quant = _fp8_outputs(x, scale)
+    out, scales, quant = _fp8_outputs(residual, scale)
     new_residual = torch.empty_like(residual)
     _launch(x, residual, new_residual, weight, eps, out, scales if scale is None else scale, quant)
     return out, scales, new_residual
@@ -240,8 +273,8 @@ def add_rmsnorm_fp8(
 
 @add_rmsnorm_fp8.register_fake
 def _(x, residual, weight, eps, scale):
-    scales = x.new_empty(x.shape[0], dtype=torch.float32) if scale is None else torch.empty_like(scale)
-    return x.new_empty(x.shape, dtype=FP8), scales, torch.empty_like(residual)
+    scales = x.new_empty(residual.shape[0], dtype=torch.float32) if scale is None else torch.empty_like(scale)
+    return x.new_empty(residual.shape, dtype=FP8), scales, torch.empty_like(residual)
 
 
 @torch.library.custom_op("weft::rmsnorm_fp8", mutates_args=())
@@ -265,16 +298,17 @@ def _(x, weight, eps, scale):
 def add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The bf16 path: (RMSNorm(residual + x) * weight in x's dtype, residual + x)."""
+    """The bf16 path: (RMSNorm(residual + x) * weight in residual's dtype, residual + x); x as in
+    add_rmsnorm_fp8."""
     _check(x, residual, weight)
-    out, new_residual = torch.empty_like(x), torch.empty_like(residual)
+    out, new_residual = torch.empty_like(residual), torch.empty_like(residual)
     _launch(x, residual, new_residual, weight, eps, out, out, QUANT_NONE)
     return out, new_residual
 
 
 @add_rmsnorm.register_fake
 def _(x, residual, weight, eps):
-    return torch.empty_like(x), torch.empty_like(residual)
+    return torch.empty_like(residual), torch.empty_like(residual)
 
 
 @torch.library.custom_op("weft::rmsnorm", mutates_args=())
@@ -308,10 +342,12 @@ def add_rmsnorm_reference(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     y, new_residual = _rmsnorm_reference(x, residual, weight, eps)
-    return y.to(x.dtype), new_residual
+    return y.to(residual.dtype if residual is not None else x.dtype), new_residual
 
 
 def _rmsnorm_reference(x, residual, weight, eps) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if x.dim() == 3:  # split-K partials: summed in slice order, rounded as the GEMM would
+        x = functools.reduce(torch.add, x.unbind(0)).to(residual.dtype)
     new_residual = x + residual if residual is not None else None
     h = (new_residual if residual is not None else x).float()
     y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()

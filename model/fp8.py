@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from kernels.fp8 import FP8, quantize_weight_per_channel
-from kernels.fp8_gemm import fp8_gemm
+from kernels.fp8_gemm import fp8_gemm, fp8_gemm_partials
 from kernels.fp8_norm import add_rmsnorm_fp8, rmsnorm_fp8
 from kernels.fp8_swiglu import swiglu_fp8
 from model.decode import Hook, convert_for_decode, identity
@@ -65,8 +65,9 @@ def row_slices(weights: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
 class Fp8Weight(nn.Module):
     """One or more linear weights [N_i, K] concatenated and quantized: e4m3 [sum N_i, K] + fp32 [sum N_i]."""
 
-    def __init__(self, *weights: torch.Tensor, full_amax: Hook | None = None) -> None:
+    def __init__(self, *weights: torch.Tensor, full_amax: Hook | None = None, partials: bool = False) -> None:
         super().__init__()
+        self.partials = partials  # model/decode.py's DecodeKernels.weight
         slices = row_slices(weights)
         rows, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
         q = torch.empty((rows, k), dtype=FP8, device=weights[0].device)
@@ -86,7 +87,11 @@ class Fp8Weight(nn.Module):
 
     def forward(self, x: Fp8Activation) -> torch.Tensor:
         q, scale = x
-        return fp8_gemm(q.reshape(-1, q.shape[-1]), scale, self.weight, self.scale).view(*q.shape[:-1], -1)
+        rows = q.reshape(-1, q.shape[-1])
+        if self.partials:
+            out = fp8_gemm_partials(rows, scale, self.weight, self.scale)
+            return out.view(out.shape[0], *q.shape[:-1], -1)
+        return fp8_gemm(rows, scale, self.weight, self.scale).view(*q.shape[:-1], -1)
 
 
 class Fp8Kernels:
@@ -97,8 +102,8 @@ class Fp8Kernels:
     def __init__(self, channel_amax: Hook | None = None) -> None:
         self.channel_amax = channel_amax
 
-    def weight(self, *weights: torch.Tensor, row_parallel: bool = False) -> Fp8Weight:
-        return Fp8Weight(*weights, full_amax=self.channel_amax if row_parallel else None)
+    def weight(self, *weights: torch.Tensor, row_parallel: bool = False, partials: bool = False) -> Fp8Weight:
+        return Fp8Weight(*weights, full_amax=self.channel_amax if row_parallel else None, partials=partials)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Activation:
         return rmsnorm_fp8(x, weight, eps, None)
