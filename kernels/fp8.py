@@ -266,6 +266,19 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return out, scale
 
 
+def check_one_device(**tensors: torch.Tensor | None) -> None:
+    """ValueError unless every tensor given (None: absent) is on the first one's device. A call with a
+    meta tensor among its inputs goes to an op's fake implementation, which returns uninitialized
+    tensors on the other inputs' device: the ops check this in their fakes too (under torch.compile
+    every fake tensor reports one device)."""
+    given = {name: t for name, t in tensors.items() if t is not None}
+    first, device = next((name, t.device) for name, t in given.items())
+    elsewhere = [name for name, t in given.items() if t.device != device]
+    if elsewhere:
+        got = ", ".join(str(given[name].device) for name in elsewhere)
+        raise ValueError(f"{', '.join(elsewhere)} must be on {first}'s device {device}, got {got}")
+
+
 def _check_rows(x: torch.Tensor) -> None:
     """quantize_per_token's input check, also run by its fake implementation (meta or compiled calls)."""
     if x.dim() != 2 or x.stride(-1) != 1:

@@ -58,6 +58,7 @@ import triton.language as tl
 from kernels.fp8 import (
     FP8,
     INTERPRETED,
+    check_one_device,
     dequantize,
     downcast,
     launch_options,
@@ -344,6 +345,8 @@ def split_workspace(device: torch.device, numel: int) -> torch.Tensor:
 
 
 def _check(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor) -> None:
+    """Refuse what no path can compute; also run by the ops' fake implementations (check_one_device)."""
+    check_one_device(a=a, a_scale=a_scale, b=b, b_scale=b_scale)
     if a.dtype != FP8 or b.dtype != FP8:
         raise ValueError(f"fp8_gemm takes float8_e4m3fn operands, got {a.dtype} and {b.dtype}")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
@@ -384,6 +387,7 @@ def requantize_per_token(a: torch.Tensor, a_scale: torch.Tensor) -> tuple[torch.
 
 
 def _check_bf16(a: torch.Tensor, b: torch.Tensor) -> None:
+    check_one_device(a=a, b=b)
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
         raise ValueError(f"bf16_gemm takes bfloat16 operands, got {a.dtype} and {b.dtype}")
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
@@ -550,6 +554,7 @@ def fp8_gemm(a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: t
 
 @fp8_gemm.register_fake
 def _(a, a_scale, b, b_scale):
+    _check(a, a_scale, b, b_scale)
     return a.new_empty(a.shape[0], b.shape[0], dtype=torch.bfloat16)
 
 
@@ -571,6 +576,7 @@ def fp8_gemm_partials(
 
 @fp8_gemm_partials.register_fake
 def _(a, a_scale, b, b_scale):
+    _check(a, a_scale, b, b_scale)
     return a.new_empty(partial_count(a, a_scale, b), a.shape[0], b.shape[0], dtype=torch.float32)
 
 
@@ -592,6 +598,7 @@ def bf16_gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @bf16_gemm.register_fake
 def _(a, b):
+    _check_bf16(a, b)
     return a.new_empty(a.shape[0], b.shape[0])
 
 
@@ -606,6 +613,7 @@ def bf16_gemm_partials(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @bf16_gemm_partials.register_fake
 def _(a, b):
+    _check_bf16(a, b)
     return a.new_empty(partial_count(a, None, b), a.shape[0], b.shape[0], dtype=torch.float32)
 
 

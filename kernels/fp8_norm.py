@@ -25,6 +25,7 @@ from kernels import fp8
 from kernels.fp8 import (
     FP8,
     INTERPRETED,
+    check_one_device,
     check_static_scale,
     downcast,
     launch_options,
@@ -184,9 +185,19 @@ def _add_rmsnorm_kernel(
         )  # fmt: skip
 
 
-def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
+def _check(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    scale: torch.Tensor | None = None,
+) -> None:
     """x [rows, hidden] in residual's 16-bit dtype, or (with a residual) fp32 split-K partials
-    [slices, rows, hidden] (kernels.fp8_gemm.fp8_gemm_partials), summed before the add."""
+    [slices, rows, hidden] (kernels.fp8_gemm.fp8_gemm_partials), summed before the add. Also run by the
+    ops' fake implementations (check_one_device)."""
+    check_one_device(x=x, residual=residual, weight=weight, scale=scale)
+    if not eps > 0:  # rsqrt(mean square + eps) of an all-zero row would be inf, its output NaN
+        raise ValueError(f"eps must be > 0, got {eps}")
     partials = residual is not None and x.dim() == 3
     if partials and (x.dtype != torch.float32 or not x.is_contiguous()):
         raise ValueError(
@@ -264,7 +275,7 @@ def add_rmsnorm_fp8(
     [S, M, N] (kernels.fp8_gemm.fp8_gemm_partials), summed in slice order and rounded first.
 
     Scale convention (kernels.fp8): scale = amax / 448, q = e4m3(y / scale), y ~= q * scale."""
-    _check(x, residual, weight)
+    _check(x, residual, weight, eps, scale)
     out, scales, quant = _fp8_outputs(residual, scale)
     new_residual = torch.empty_like(residual)
     _launch(x, residual, new_residual, weight, eps, out, scales if scale is None else scale, quant)
@@ -273,6 +284,7 @@ def add_rmsnorm_fp8(
 
 @add_rmsnorm_fp8.register_fake
 def _(x, residual, weight, eps, scale):
+    _check(x, residual, weight, eps, scale)
     scales = x.new_empty(residual.shape[0], dtype=torch.float32) if scale is None else torch.empty_like(scale)
     return x.new_empty(residual.shape, dtype=FP8), scales, torch.empty_like(residual)
 
@@ -282,7 +294,7 @@ def rmsnorm_fp8(
     x: torch.Tensor, weight: torch.Tensor, eps: float, scale: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 [M, N], fp32 scales) of RMSNorm(x) * weight quantized (scales as add_rmsnorm_fp8)."""
-    _check(x, None, weight)
+    _check(x, None, weight, eps, scale)
     out, scales, quant = _fp8_outputs(x, scale)
     _launch(x, None, None, weight, eps, out, scales if scale is None else scale, quant)
     return out, scales
@@ -290,6 +302,7 @@ def rmsnorm_fp8(
 
 @rmsnorm_fp8.register_fake
 def _(x, weight, eps, scale):
+    _check(x, None, weight, eps, scale)
     scales = x.new_empty(x.shape[0], dtype=torch.float32) if scale is None else torch.empty_like(scale)
     return x.new_empty(x.shape, dtype=FP8), scales
 
@@ -300,7 +313,7 @@ def add_rmsnorm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The bf16 path: (RMSNorm(residual + x) * weight in residual's dtype, residual + x); x as in
     add_rmsnorm_fp8."""
-    _check(x, residual, weight)
+    _check(x, residual, weight, eps)
     out, new_residual = torch.empty_like(residual), torch.empty_like(residual)
     _launch(x, residual, new_residual, weight, eps, out, out, QUANT_NONE)
     return out, new_residual
@@ -308,13 +321,14 @@ def add_rmsnorm(
 
 @add_rmsnorm.register_fake
 def _(x, residual, weight, eps):
+    _check(x, residual, weight, eps)
     return torch.empty_like(residual), torch.empty_like(residual)
 
 
 @torch.library.custom_op("weft::rmsnorm", mutates_args=())
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The bf16 path without a residual: RMSNorm(x) * weight in x's dtype."""
-    _check(x, None, weight)
+    _check(x, None, weight, eps)
     out = torch.empty_like(x)
     _launch(x, None, None, weight, eps, out, out, QUANT_NONE)
     return out
@@ -322,6 +336,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @rmsnorm.register_fake
 def _(x, weight, eps):
+    _check(x, None, weight, eps)
     return torch.empty_like(x)
 
 

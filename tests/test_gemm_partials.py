@@ -91,3 +91,27 @@ def test_partials_of_the_wrong_form_are_refused() -> None:
         add_rmsnorm(torch.zeros(2, 3, 64, dtype=torch.bfloat16, device=DEVICE), residual, weight, 1e-5)
     with pytest.raises(ValueError, match=r"residual shape \(3, 64\) must equal x's rows \(4, 64\)"):
         add_rmsnorm(torch.zeros(2, 4, 64, device=DEVICE), residual, weight, 1e-5)
+
+
+def test_a_meta_input_or_a_bad_eps_is_refused() -> None:
+    """A call with a meta tensor among its inputs goes to the op's fake implementation, which checks the
+    inputs as the op does (it returned uninitialized memory on the other inputs' device)."""
+    a, b = operands(3, 64, 512)
+    q, scale = quantize_per_token(a)
+    wq, wscale = quantize_weight_per_channel(b)
+    residual = torch.zeros(3, 64, dtype=torch.bfloat16, device=DEVICE)
+    weight = torch.ones(64, dtype=torch.bfloat16, device=DEVICE)
+    meta = "meta"
+    calls = [
+        (lambda: bf16_gemm(a, b.to(meta)), "b must be on a's device"),
+        (lambda: bf16_gemm_partials(a.to(meta), b), "b must be on a's device"),
+        (lambda: fp8_gemm(q, scale, wq, wscale.to(meta)), "b_scale must be on a's device"),
+        (lambda: fp8_gemm_partials(q, scale.to(meta), wq, wscale), "a_scale must be on a's device"),
+        (lambda: add_rmsnorm(residual, residual, weight.to(meta), 1e-5), "weight must be on x's device"),
+        (lambda: add_rmsnorm_fp8(residual, residual, weight, 1e-5, torch.ones(1, device=meta)), "scale must"),
+    ]
+    for call, message in calls:
+        with pytest.raises(ValueError, match=message):
+            call()
+    with pytest.raises(ValueError, match=r"eps must be > 0, got 0.0"):
+        add_rmsnorm(residual, residual, weight, 0.0)
