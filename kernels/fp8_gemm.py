@@ -512,13 +512,31 @@ def skinny_bf16_gemm(
 
 
 def partial_count(a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor) -> int:
-    """The slices of fp8_gemm_partials' (a_scale None: bf16_gemm_partials') output: the tuned split of
-    K at M <= 64, else 1."""
+    """The slices fp8_gemm_partials (a_scale None: bf16_gemm_partials) leaves: the tuned split of K at
+    M <= 64, else 1. What its caller passes it as `slices`."""
     (m, k), n = a.shape, b.shape[0]
     if not (0 < m <= MAX_M and k and n):
         return 1
     grouped = a_scale is not None and a_groups(a_scale) > 1 and not _requantized(a, a_scale)
-    return _plan(m, n, k, k // a_groups(a_scale) if grouped else 0, None, a.device, a.dtype)[2]
+    return _slice_count(m, n, k, k // a_groups(a_scale) if grouped else 0, a.device, a.dtype)
+
+
+# torch.compile runs it while tracing and writes its result into the graph as a constant: the graphs
+# inductor caches on disk then differ where the configs (fp8_gemm_configs.json, a new tune) split K
+# differently, and a graph traced under other configs is never replayed with the op's output shape wrong.
+@torch.compiler.assume_constant_result
+def _slice_count(m: int, n: int, k: int, group: int, device: torch.device, dtype: torch.dtype) -> int:
+    return _plan(m, n, k, group, None, device, dtype)[2]
+
+
+def _check_slices(slices: int, a: torch.Tensor, a_scale: torch.Tensor | None, b: torch.Tensor) -> None:
+    expected = partial_count(a, a_scale, b)
+    if slices != expected:
+        raise ValueError(
+            f"asked for {slices} split-K partials of a [{a.shape[0]}, {a.shape[1]}] @ [{b.shape[1]}, "
+            f"{b.shape[0]}] GEMM whose config splits K into {expected}: pass partial_count(...) (the GEMM "
+            "configs changed since the caller computed it)"
+        )
 
 
 @torch.library.custom_op("weft::fp8_gemm", mutates_args=())
@@ -564,20 +582,22 @@ def _(a, a_scale, b, b_scale):
 # x, rounding to bf16 as this kernel would: the same values, bit for bit.
 @torch.library.custom_op("weft::fp8_gemm_partials", mutates_args=())
 def fp8_gemm_partials(
-    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor
+    a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor, slices: int
 ) -> torch.Tensor:
-    """fp8_gemm's product as fp32 partials [S, M, N] (S = partial_count) whose sum in slice order,
-    rounded to bf16, is fp8_gemm's output; [1, M, N] past M = 64."""
+    """fp8_gemm's product as fp32 partials [slices, M, N] whose sum in slice order, rounded to bf16, is
+    fp8_gemm's output; `slices` must be partial_count(a, a_scale, b) (1 past M = 64), so that the
+    output's shape is known from the arguments (the fake implementation reads no config)."""
     _check(a, a_scale, b, b_scale)
+    _check_slices(slices, a, a_scale, b)
     if a.shape[0] <= MAX_M:
         return skinny_fp8_gemm(a, a_scale, b, b_scale, partials=True)
     return fp8_gemm(a, a_scale, b, b_scale).float().unsqueeze(0)
 
 
 @fp8_gemm_partials.register_fake
-def _(a, a_scale, b, b_scale):
+def _(a, a_scale, b, b_scale, slices):
     _check(a, a_scale, b, b_scale)
-    return a.new_empty(partial_count(a, a_scale, b), a.shape[0], b.shape[0], dtype=torch.float32)
+    return a.new_empty(slices, a.shape[0], b.shape[0], dtype=torch.float32)
 
 
 def fp8_gemm_reference(
@@ -603,18 +623,20 @@ def _(a, b):
 
 
 @torch.library.custom_op("weft::bf16_gemm_partials", mutates_args=())
-def bf16_gemm_partials(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """bf16_gemm's product as fp32 partials [S, M, N], as fp8_gemm_partials."""
+def bf16_gemm_partials(a: torch.Tensor, b: torch.Tensor, slices: int) -> torch.Tensor:
+    """bf16_gemm's product as fp32 partials [slices, M, N], as fp8_gemm_partials (slices:
+    partial_count(a, None, b))."""
     _check_bf16(a, b)
+    _check_slices(slices, a, None, b)
     if a.shape[0] <= MAX_M:
         return skinny_bf16_gemm(a, b, partials=True)
     return F.linear(a, b).float().unsqueeze(0)
 
 
 @bf16_gemm_partials.register_fake
-def _(a, b):
+def _(a, b, slices):
     _check_bf16(a, b)
-    return a.new_empty(partial_count(a, None, b), a.shape[0], b.shape[0], dtype=torch.float32)
+    return a.new_empty(slices, a.shape[0], b.shape[0], dtype=torch.float32)
 
 
 def bf16_gemm_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,9 @@ def _load_x(x_ptr, row, stride_x, stride_xs, cols, mask, X_SLICES: tl.constexpr,
     ptrs = x_ptr + tl.cast(row, tl.int64) * stride_x + cols
     if X_SLICES == 0:
         return tl.load(ptrs, mask=mask, other=0.0)
+    if X_SLICES == 1:  # an unsplit GEMM rounds its sum as it is (a -0.0 stays -0.0)
+        return downcast(tl.load(ptrs, mask=mask, other=0.0), DT, SNAP)
+    # From zero, as the GEMM's last slice sums: bit for bit its output, signed zeros included.
     total = tl.zeros(cols.shape, tl.float32)
     for s in tl.static_range(X_SLICES):
         total += tl.load(ptrs + s * stride_xs, mask=mask, other=0.0)

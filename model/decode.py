@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from kernels.fp8_gemm import bf16_gemm, bf16_gemm_partials
+from kernels.fp8_gemm import bf16_gemm, bf16_gemm_partials, partial_count
 from kernels.fp8_norm import add_rmsnorm, rmsnorm
 from kernels.fp8_swiglu import swiglu
 from model.args import ModelArgs
@@ -104,7 +104,7 @@ class Bf16Weight(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if self.partials:
-            out = bf16_gemm_partials(rows, self.weight)
+            out = bf16_gemm_partials(rows, self.weight, partial_count(rows, None, self.weight))
             return out.view(out.shape[0], *x.shape[:-1], -1)
         return bf16_gemm(rows, self.weight).view(*x.shape[:-1], -1)
 

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from kernels.fp8 import FP8, quantize_weight_per_channel
-from kernels.fp8_gemm import fp8_gemm, fp8_gemm_partials
+from kernels.fp8_gemm import fp8_gemm, fp8_gemm_partials, partial_count
 from kernels.fp8_norm import add_rmsnorm_fp8, rmsnorm_fp8
 from kernels.fp8_swiglu import swiglu_fp8
 from model.decode import Hook, convert_for_decode, identity
@@ -89,7 +89,9 @@ class Fp8Weight(nn.Module):
         q, scale = x
         rows = q.reshape(-1, q.shape[-1])
         if self.partials:
-            out = fp8_gemm_partials(rows, scale, self.weight, self.scale)
+            out = fp8_gemm_partials(
+                rows, scale, self.weight, self.scale, partial_count(rows, scale, self.weight)
+            )
             return out.view(out.shape[0], *q.shape[:-1], -1)
         return fp8_gemm(rows, scale, self.weight, self.scale).view(*q.shape[:-1], -1)
 

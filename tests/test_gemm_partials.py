@@ -71,16 +71,18 @@ def test_partials_ops_and_their_slice_count(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(gemm_module, "config_for", lambda *args: GemmConfig(64, 128, 2, swap_ab=True))
     a, b = operands(3, 64, 512)
     assert partial_count(a, None, b) == 2
-    assert bf16_gemm_partials(a, b).shape == (2, 3, 64)
+    assert bf16_gemm_partials(a, b, 2).shape == (2, 3, 64)
     q, scale = quantize_per_token(a)
     wq, wscale = quantize_weight_per_channel(b)
-    assert partial_count(q, scale, wq) == 2 == fp8_gemm_partials(q, scale, wq, wscale).shape[0]
+    assert partial_count(q, scale, wq) == 2 == fp8_gemm_partials(q, scale, wq, wscale, 2).shape[0]
+    with pytest.raises(ValueError, match=r"asked for 3 split-K partials .* whose config splits K into 2"):
+        bf16_gemm_partials(a, b, 3)
     big = torch.randn(80, 512, device=DEVICE).to(torch.bfloat16)
     assert partial_count(big, None, b) == 1
-    assert torch.equal(bf16_gemm_partials(big, b)[0].to(torch.bfloat16), bf16_gemm(big, b))
+    assert torch.equal(bf16_gemm_partials(big, b, 1)[0].to(torch.bfloat16), bf16_gemm(big, b))
     qbig, sbig = quantize_per_token(big)
     assert torch.equal(
-        fp8_gemm_partials(qbig, sbig, wq, wscale)[0].to(torch.bfloat16), fp8_gemm(qbig, sbig, wq, wscale)
+        fp8_gemm_partials(qbig, sbig, wq, wscale, 1)[0].to(torch.bfloat16), fp8_gemm(qbig, sbig, wq, wscale)
     )
 
 
@@ -104,9 +106,9 @@ def test_a_meta_input_or_a_bad_eps_is_refused() -> None:
     meta = "meta"
     calls = [
         (lambda: bf16_gemm(a, b.to(meta)), "b must be on a's device"),
-        (lambda: bf16_gemm_partials(a.to(meta), b), "b must be on a's device"),
+        (lambda: bf16_gemm_partials(a.to(meta), b, 1), "b must be on a's device"),
         (lambda: fp8_gemm(q, scale, wq, wscale.to(meta)), "b_scale must be on a's device"),
-        (lambda: fp8_gemm_partials(q, scale.to(meta), wq, wscale), "a_scale must be on a's device"),
+        (lambda: fp8_gemm_partials(q, scale.to(meta), wq, wscale, 1), "a_scale must be on a's device"),
         (lambda: add_rmsnorm(residual, residual, weight.to(meta), 1e-5), "weight must be on x's device"),
         (lambda: add_rmsnorm_fp8(residual, residual, weight, 1e-5, torch.ones(1, device=meta)), "scale must"),
     ]
@@ -115,3 +117,30 @@ def test_a_meta_input_or_a_bad_eps_is_refused() -> None:
             call()
     with pytest.raises(ValueError, match=r"eps must be > 0, got 0.0"):
         add_rmsnorm(residual, residual, weight, 0.0)
+
+
+def test_a_compiled_step_follows_the_configs_split(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The slice count is a constant of the traced graph, so a step compiled under other GEMM configs (a
+    new tune) is a graph of its own, not a cached one whose partials have another shape."""
+    from model.args import ModelArgs
+    from model.decode import Bf16Kernels, convert_for_decode
+    from model.generate import DecodeStep, prefill
+    from model.llama import Llama
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # one on-disk cache for both compiles
+    args = ModelArgs(dim=128, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=160, ffn_hidden=256)
+    model = Llama(args).to(DEVICE)
+    model.init_weights()
+    model = convert_for_decode(model.to(torch.bfloat16).eval(), Bf16Kernels())
+    tokens = torch.randint(0, 160, (2, 8), device=DEVICE)
+    outputs = []
+    for split in (1, 2):
+        monkeypatch.setattr(
+            gemm_module, "config_for", lambda *a, s=split: GemmConfig(64, 64, s, swap_ab=True)
+        )
+        torch._dynamo.reset()
+        model.setup_caches(2, 16)
+        prefill(model, tokens)
+        step = DecodeStep(model, 2, torch.device(DEVICE), cuda_graph=False, compile=True)
+        outputs.append(step(tokens[:, -1:], 8).float())
+    assert torch.equal(outputs[0], outputs[1])  # the partials' sum is the GEMM's, whatever the split
