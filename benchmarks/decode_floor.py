@@ -100,6 +100,7 @@ class Op:
     row_dtype: torch.dtype = torch.bfloat16  # its (first) output's dtype
     two_outputs: bool = False
     shape: tuple[int, int] = (0, 0)  # a GEMM's weight, N x K
+    after: str = ""  # an add+norm's: the GEMM whose output it adds (as split-K partials, weft's)
     weft: bool = False  # launched as weft's own kernels rather than a stand-in
 
 
@@ -145,17 +146,18 @@ def step_ops(
     glue = structure != "GEMMs and attention only"
     norm = Op("add+norm", "norm", rows=batch * args.dim, row_dtype=act, two_outputs=True)
     gemm = {name: Op(name, "GEMM", reads=n * k * weight_bytes, shape=(n, k)) for name, n, k in gemms_of(args)}
-    layer = [norm] if glue else []
+    after_w2, after_wo = replace(norm, after="w2"), replace(norm, after="wo")
+    layer = [after_w2] if glue else []
     layer += [gemm["wqkv"], Op("attention", "attention", reads=kv)]
     if structure.startswith("2-launch"):  # the combine's two bf16 inputs: the fp32 partials' bytes
         layer.append(Op("attention combine", "attention", rows=partials))
     layer.append(gemm["wo"])
-    layer += [norm] if glue else []
+    layer += [after_wo] if glue else []
     layer.append(gemm["w13"])
     if structure.endswith("SwiGLU kernel"):
         layer.append(Op("SwiGLU", "SwiGLU", rows=batch * args.ffn_hidden, row_dtype=act))
     layer.append(gemm["w2"])
-    ops = layer * args.n_layers + ([norm] if glue else []) + [gemm["output"]]
+    ops = layer * args.n_layers + ([after_w2] if glue else []) + [gemm["output"]]
     if glue:
         # The first block norms the embedding output, with no residual to add yet (model/decode.py):
         # weft runs RMSNorm alone there. The stand-in moves an add+norm's few KiB all the same.
@@ -189,10 +191,12 @@ def weft_call(
         norm_weight = torch.rand(args.dim, device=device, dtype=torch.bfloat16) + 0.5
         if op.name == "norm":
             return partial(kernels.norm, x, norm_weight, args.norm_eps)
-        # The pending input is w2's (or wo's) split-K partials, as many as w2 leaves.
-        a = torch.empty(batch, args.ffn_hidden, device=device, dtype=FP8 if fp8 else torch.bfloat16)
-        w2 = torch.empty(args.dim, args.ffn_hidden, device=device, dtype=a.dtype)
-        slices = partial_count(a, torch.ones(batch, device=device) if fp8 else None, w2)
+        # The pending input: the split-K partials of the GEMM before it, as many as that GEMM leaves.
+        n, k = next((n, k) for name, n, k in gemms_of(args) if name == op.after)
+        a = torch.empty(batch, k, device=device, dtype=FP8 if fp8 else torch.bfloat16)
+        groups = args.n_kv_heads if op.after == "wo" else 1  # wo's A: a scale per token and kv head
+        scales = torch.ones(batch, groups, device=device).squeeze(1) if fp8 else None
+        slices = partial_count(a, scales, torch.empty(n, k, device=device, dtype=a.dtype))
         pending = torch.randn(slices, batch, args.dim, device=device)
         return partial(kernels.add_norm, pending, bf16(batch, args.dim), norm_weight, args.norm_eps)
     if op.kind == "SwiGLU":

@@ -57,6 +57,12 @@ def test_weft_calls_run_each_op_as_the_decode_step_does(fp8: bool) -> None:
     batch, cache_len = 2, 64
     ops = step_ops(args, batch, cache_len, fp8, WEFT_STRUCTURE, device, WEFT_ROWS["all weft's kernels"])
     assert [op.name for op in ops] == served_ops(1)
+    # Each add+norm takes the split-K partials of the GEMM that runs before it in the step (the final
+    # norm those of w2, as does each block's first norm after the first block).
+    before = [
+        next(o.name for o in reversed(ops[:i]) if o.kind == "GEMM") for i, op in enumerate(ops) if op.after
+    ]
+    assert before == [op.after for op in ops if op.after] == ["wo", "w2"]
     rope = rope_table(args, device)
     out = {op.name: weft_call(op, args, batch, cache_len, fp8, rope)() for op in ops}
 
