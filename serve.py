@@ -269,9 +269,9 @@ def prepare_completion(cfg: ServeConfig, checkpoint: Path | None, args: ModelArg
             f"the prompt holds token id {max(ids)}, outside the model's vocabulary of {args.vocab_size}: "
             "the tokenizer does not match the model"
         )
-    max_new_tokens = resolve_max_new_tokens(directory, cfg.max_new_tokens)
+    max_new_tokens, source = resolve_max_new_tokens(directory, cfg.max_new_tokens)
     if len(ids) + max_new_tokens > args.max_seq_len:
-        where = "" if cfg.max_new_tokens is not None else f" (from {directory / 'generation_config.json'})"
+        where = "" if cfg.max_new_tokens is not None else f" (from {source})"
         raise ValueError(
             f"prompt ({len(ids)} tokens) + max_new_tokens={max_new_tokens}{where} exceeds model.max_seq_len="
             f"{args.max_seq_len}: shorten the prompt or lower max_new_tokens"

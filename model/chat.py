@@ -35,7 +35,7 @@ def load_chat_template(directory: Path | None) -> str | None:
 
 def read_messages(path: str | Path) -> list[dict]:
     """A chat from a JSON file: a list of {"role": ..., "content": ...} objects."""
-    file = Path(path)
+    file = Path(path).expanduser()
     if not file.is_file():
         raise ValueError(f"messages={path}: no such file; give a JSON file holding a list of messages")
     try:

@@ -54,6 +54,8 @@ class CheckpointWriteError(OSError):
 
 def open_safetensors(file: Path) -> Any:
     """A safetensors file opened for reading tensor by tensor, or UnreadableCheckpoint naming it."""
+    if not file.is_file():
+        raise UnreadableCheckpoint(f"cannot read {file}: the file is missing")  # as for meta.json
     try:
         return safe_open(str(file), framework="pt")
     except (OSError, SafetensorError) as err:

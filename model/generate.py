@@ -27,8 +27,8 @@ class Sampling:
         where = lambda key: f" ({sources[key]})" if sources and key in sources else ""
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise ValueError(
-                f"temperature={self.temperature}{where('temperature')} must be >= 0: set temperature "
-                "(0 is greedy)"
+                f"temperature={self.temperature}{where('temperature')} must be a finite number >= 0: set "
+                "temperature (0 is greedy)"
             )
         if self.top_k < 0:
             raise ValueError(

@@ -72,21 +72,22 @@ def default_sampling(directory: Path | None) -> Sampling:
     )
 
 
-def resolve_max_new_tokens(directory: Path | None, given: int | None) -> int:
-    """New tokens at most: `given`, else generation_config.json's max_new_tokens (as transformers' generate
-    takes it), else DEFAULT_MAX_NEW_TOKENS. Checked: ValueError naming the file."""
+def resolve_max_new_tokens(directory: Path | None, given: int | None) -> tuple[int, str]:
+    """(New tokens at most, where the number came from): `given` ("max_new_tokens"), else
+    generation_config.json's max_new_tokens (as transformers' generate takes it; the file), else
+    DEFAULT_MAX_NEW_TOKENS ("the default"). Checked: ValueError naming the file."""
     if given is not None:
-        return given
+        return given, "max_new_tokens"
     file = directory / "generation_config.json" if directory is not None else None
     value = read_json(file).get("max_new_tokens") if file is not None else None
     if value is None:
-        return DEFAULT_MAX_NEW_TOKENS
+        return DEFAULT_MAX_NEW_TOKENS, "the default"
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(
             f"{file} sets max_new_tokens={value!r}, not a whole number >= 1: fix the file or give "
             "max_new_tokens=N"
         )
-    return value
+    return value, str(file)
 
 
 def unapplied_settings(directory: Path | None) -> list[str]:

@@ -16,7 +16,7 @@ from model.tokenizer import HF_TOKENIZER_FILES, Tokenizer, load_tokenizer, read_
 
 def resolve_checkpoint(path: str | Path) -> Path:
     """The directory whose weights `path` names; a run directory resolves to its newest checkpoint."""
-    path = Path(path)
+    path = Path(path).expanduser()  # a quoted ~ reaches us unexpanded (Hydra's quoting advice)
     if not path.is_dir():
         raise FileNotFoundError(
             f"checkpoint path {path} is not a directory: give a weft run/checkpoint or HF model dir"

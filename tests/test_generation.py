@@ -26,7 +26,7 @@ from model.generation_config import (  # noqa: E402
     unapplied_settings,
 )
 from model.llama import Llama  # noqa: E402
-from model.loading import checkpoint_tokenizer  # noqa: E402
+from model.loading import checkpoint_tokenizer, resolve_checkpoint  # noqa: E402
 from model.tokenizer import HF_TOKENIZER_FILES, ByteTokenizer, HFTokenizer, TextStream  # noqa: E402
 from serve import prepare_completion  # noqa: E402
 from tests.test_train_serve import run_script  # noqa: E402
@@ -433,6 +433,17 @@ def test_generate_inputs_are_checked_before_the_model_is_built(tmp_path: Path) -
         prepare_completion(serve_config(str(hf), max_new_tokens=250), hf, args)
 
 
+def test_a_quoted_tilde_is_the_home_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """checkpoint='~/...' and messages='~/...' reach serve.py unexpanded when quoted (as Hydra's quoting
+    advice has it): ~ is the home directory there too."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "chat.json").write_text(json.dumps(MESSAGES))
+    assert read_messages("~/chat.json") == MESSAGES
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert resolve_checkpoint("~/hf") == tmp_path / "hf"
+
+
 def test_max_new_tokens_unset_takes_generation_config_json(tmp_path: Path) -> None:
     """As transformers' generate: generation_config.json's max_new_tokens where serve.py's is unset."""
     hf = tmp_path / "hf"
@@ -453,6 +464,19 @@ def test_max_new_tokens_unset_takes_generation_config_json(tmp_path: Path) -> No
         file.write_text(json.dumps({**config, "max_new_tokens": bad}))
         with pytest.raises(ValueError, match=rf"sets max_new_tokens={re.escape(repr(bad))}, not a whole"):
             prepare_completion(serve_config(str(hf)), hf, args)
+    # A prompt too long for the default: it is named as the default, with or without a checkpoint (with
+    # none, or a byte-level one, there is no tokenizer directory to name: that was a TypeError).
+    file.write_text(json.dumps(config))
+    long_prompt = "a " * 250
+    with pytest.raises(
+        ValueError, match=r"max_new_tokens=64 \(from the default\) exceeds model\.max_seq_len=256"
+    ):
+        prepare_completion(serve_config(str(hf), prompt=long_prompt), hf, args)
+    byte_args = ModelArgs(max_seq_len=256)
+    with pytest.raises(
+        ValueError, match=r"max_new_tokens=64 \(from the default\) exceeds model\.max_seq_len=256"
+    ):
+        prepare_completion(serve_config(None, prompt=long_prompt), None, byte_args)
 
 
 def tiny_reference(kind: str) -> "transformers.LlamaForCausalLM":
