@@ -75,6 +75,7 @@ import triton.language as tl
 from kernels.fp8 import (
     FP8,
     INTERPRETED,
+    check_one_device,
     downcast,
     launch_options,
     pdl_for,
@@ -371,15 +372,7 @@ def _check(q, k, v, rope, input_pos, k_cache, v_cache) -> None:
     """Refuse what the kernel cannot take: called by the ops and by their fake implementations, which a
     call with a meta tensor among its inputs is sent to (they would return empty tensors on the other
     inputs' device: garbage, without a word). Under torch.compile every fake tensor reports one device."""
-    if v_cache.device != k_cache.device:
-        raise ValueError(
-            f"k_cache and v_cache must be on one device, got {k_cache.device} and {v_cache.device}"
-        )
-    tensors = {"q": q, "k": k, "v": v, "rope": rope, "input_pos": input_pos}
-    elsewhere = [name for name, t in tensors.items() if t.device != k_cache.device]
-    if elsewhere:
-        got = ", ".join(str(tensors[name].device) for name in elsewhere)
-        raise ValueError(f"{', '.join(elsewhere)} must be on the cache's device {k_cache.device}, got {got}")
+    check_one_device(k_cache=k_cache, v_cache=v_cache, q=q, k=k, v=v, rope=rope, input_pos=input_pos)
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
         raise ValueError(
             f"k_cache and v_cache must both be [B, Hkv, L, D], got {tuple(k_cache.shape)} and "

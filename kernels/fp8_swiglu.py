@@ -14,6 +14,7 @@ import triton.language as tl
 from kernels.fp8 import (
     FP8,
     INTERPRETED,
+    check_one_device,
     check_static_scale,
     launch_options,
     pdl_for,
@@ -112,9 +113,8 @@ def _check(x: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         raise ValueError(f"swiglu takes bf16 or fp16 input, got {x.dtype}")
     if x.dim() != 2 or x.stride(-1) != 1 or x.shape[1] % 2:
         raise ValueError(f"x must be a row-contiguous [rows, 2 * hidden] tensor, got shape {tuple(x.shape)}")
+    check_one_device(x=x, scale=scale)
     if scale is not None:
-        if scale.device != x.device:
-            raise ValueError(f"x and scale must be on one device, got {x.device} and {scale.device}")
         check_static_scale(scale)
 
 

@@ -59,85 +59,68 @@ NAN = float("nan")
 
 
 @triton.jit
-def _one_shot_phase(
+def _barrier_phase(
     inp_ptr, out_ptr, buf_ptrs, n_vec, epoch, base_off, slot_bytes,
-    PHASE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, DIRECT: tl.constexpr,
-    BLOCK_V: tl.constexpr, VEC: tl.constexpr,
+    ONE_SHOT: tl.constexpr, PHASE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr,
+    DIRECT: tl.constexpr, BLOCK_V: tl.constexpr, VEC: tl.constexpr,
 ):  # fmt: skip
-    """_one_shot_kernel's phase 0 (copy-in, before the barrier) or 1 (the sum)."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    DT: tl.constexpr = out_ptr.dtype.element_ty
-    _, region = call_regions(epoch, base_off, slot_bytes, DIRECT)
-    if PHASE == 0:
-        if not DIRECT:
-            copy_in(inp_ptr, _peer_base(buf_ptrs, RANK, region, DT), n_vec, pid, nprog, BLOCK_V, VEC)
-    else:
-        one_shot_sum(out_ptr, buf_ptrs, region, n_vec, pid, nprog, WORLD, BLOCK_V, VEC)
-
-
-@triton.jit
-def _two_shot_phase(
-    inp_ptr, out_ptr, buf_ptrs, n_vec, epoch, base_off, slot_bytes,
-    PHASE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, DIRECT: tl.constexpr,
-    BLOCK_V: tl.constexpr, VEC: tl.constexpr,
-):  # fmt: skip
-    """_two_shot_kernel's phase 0 (copy-in), 1 (reduce chunk RANK and push it) or 2 (copy-out)."""
+    """One phase of _one_shot_kernel (0: copy-in, before the barrier; 1: the sum) or of _two_shot_kernel
+    (0: copy-in; 1: reduce chunk RANK and push it; 2: copy-out)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     DT: tl.constexpr = out_ptr.dtype.element_ty
     gather, region = call_regions(epoch, base_off, slot_bytes, DIRECT)
-    mine = _peer_base(buf_ptrs, RANK, gather, DT)
-    if PHASE == 0:
-        if not DIRECT:
-            copy_chunks(inp_ptr, mine, n_vec, pid, nprog, WORLD, BLOCK_V, VEC)
-    elif PHASE == 1:
-        two_shot_reduce(buf_ptrs, region, gather, n_vec, pid, nprog, RANK, WORLD, BLOCK_V, VEC, DT)
+    if ONE_SHOT:
+        if PHASE == 0:
+            if not DIRECT:
+                copy_in(inp_ptr, _peer_base(buf_ptrs, RANK, region, DT), n_vec, pid, nprog, BLOCK_V, VEC)
+        else:
+            one_shot_sum(out_ptr, buf_ptrs, region, n_vec, pid, nprog, WORLD, BLOCK_V, VEC)
     else:
-        copy_chunks(mine, out_ptr, n_vec, pid, nprog, WORLD, BLOCK_V, VEC)
+        mine = _peer_base(buf_ptrs, RANK, gather, DT)
+        if PHASE == 0:
+            if not DIRECT:
+                copy_chunks(inp_ptr, mine, n_vec, pid, nprog, WORLD, BLOCK_V, VEC)
+        elif PHASE == 1:
+            two_shot_reduce(buf_ptrs, region, gather, n_vec, pid, nprog, RANK, WORLD, BLOCK_V, VEC, DT)
+        else:
+            copy_chunks(mine, out_ptr, n_vec, pid, nprog, WORLD, BLOCK_V, VEC)
 
 
 @triton.jit
-def _one_shot_push_phase(
+def _push_phase(
     inp_ptr, out_ptr, buf_ptrs, status_ptr, n_vec, base_vecs, slot_vecs, chunk_vecs, set_,
-    PHASE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, DT: tl.constexpr, BLOCK_V: tl.constexpr,
-    OP: tl.constexpr,
+    ONE_SHOT: tl.constexpr, PHASE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, DT: tl.constexpr,
+    BLOCK_V: tl.constexpr, OP: tl.constexpr,
 ):  # fmt: skip
-    """_one_shot_push_kernel's phase 0 (push) or 1 (wait, sum, reset); timeout 0 (a frozen clock)."""
+    """One phase of _one_shot_push_kernel (0: push; 1: wait, sum, reset) or of _two_shot_push_kernel (0:
+    push chunks; 1: wait, reduce, push the sum, reset; 2: wait, copy out, reset); timeout 0 (a frozen
+    clock)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    outbox, inbox = one_shot_push_ptrs(buf_ptrs, set_, base_vecs, slot_vecs, RANK, WORLD)
-    if PHASE == 0:
-        one_shot_push_send(inp_ptr, outbox, n_vec, pid, nprog, WORLD, DT, BLOCK_V)
-    else:
-        give_up = _timed_out_before(status_ptr)
-        one_shot_push_sum(out_ptr, inbox, status_ptr, give_up, n_vec, 0, pid, nprog, WORLD, DT, BLOCK_V, OP)
-
-
-@triton.jit
-def _two_shot_push_phase(
-    inp_ptr, out_ptr, buf_ptrs, status_ptr, n_vec, base_vecs, slot_vecs, chunk_vecs, set_,
-    PHASE: tl.constexpr, RANK: tl.constexpr, WORLD: tl.constexpr, DT: tl.constexpr, BLOCK_V: tl.constexpr,
-    OP: tl.constexpr,
-):  # fmt: skip
-    """_two_shot_push_kernel's phase 0 (push chunks), 1 (wait, reduce, push the sum, reset) or 2 (wait,
-    copy out, reset); timeout 0 (a frozen clock)."""
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    to_reduce, to_gather, reduce_in, gather_in = two_shot_push_ptrs(
-        buf_ptrs, set_, base_vecs, slot_vecs, chunk_vecs, RANK, WORLD
-    )
     give_up = _timed_out_before(status_ptr)
-    if PHASE == 0:
-        two_shot_push_send(inp_ptr, to_reduce, n_vec, pid, nprog, WORLD, DT, BLOCK_V)
-    elif PHASE == 1:
-        two_shot_push_reduce(
-            to_gather, reduce_in, status_ptr, give_up, n_vec, 0, pid, nprog, RANK, WORLD, DT, BLOCK_V, OP
-        )
+    if ONE_SHOT:
+        outbox, inbox = one_shot_push_ptrs(buf_ptrs, set_, base_vecs, slot_vecs, RANK, WORLD)
+        if PHASE == 0:
+            one_shot_push_send(inp_ptr, outbox, n_vec, pid, nprog, WORLD, DT, BLOCK_V)
+        else:
+            one_shot_push_sum(
+                out_ptr, inbox, status_ptr, give_up, n_vec, 0, pid, nprog, WORLD, DT, BLOCK_V, OP
+            )
     else:
-        two_shot_push_gather(
-            out_ptr, gather_in, status_ptr, give_up, n_vec, 0, pid, nprog, WORLD, BLOCK_V, OP
+        to_reduce, to_gather, reduce_in, gather_in = two_shot_push_ptrs(
+            buf_ptrs, set_, base_vecs, slot_vecs, chunk_vecs, RANK, WORLD
         )
+        if PHASE == 0:
+            two_shot_push_send(inp_ptr, to_reduce, n_vec, pid, nprog, WORLD, DT, BLOCK_V)
+        elif PHASE == 1:
+            two_shot_push_reduce(
+                to_gather, reduce_in, status_ptr, give_up, n_vec, 0, pid, nprog, RANK, WORLD, DT, BLOCK_V, OP
+            )
+        else:
+            two_shot_push_gather(
+                out_ptr, gather_in, status_ptr, give_up, n_vec, 0, pid, nprog, WORLD, BLOCK_V, OP
+            )
 
 
 @triton.jit
@@ -171,12 +154,13 @@ def simulate(
     before = [b.clone() for b in bufs]
     table = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
     outs = [torch.full_like(x, NAN) for x in xs]
-    kernel, phases = (_one_shot_phase, 2) if algo == "one_shot" else (_two_shot_phase, 3)
-    for phase in range(phases):
+    one_shot = algo == "one_shot"
+    for phase in range(2 if one_shot else 3):
         for rank in range(world):
-            kernel[(programs,)](
+            _barrier_phase[(programs,)](
                 xs[rank], outs[rank], table.data_ptr(), n_vec, epoch, base_off, slot_bytes,
-                PHASE=phase, RANK=rank, WORLD=world, DIRECT=direct, BLOCK_V=block_v, VEC=vec,
+                ONE_SHOT=one_shot, PHASE=phase, RANK=rank, WORLD=world, DIRECT=direct, BLOCK_V=block_v,
+                VEC=vec,
             )  # fmt: skip
     return outs, bufs, before, base_off, slot_bytes
 
@@ -199,14 +183,13 @@ def simulate_push(
     table = torch.tensor([b.data_ptr() for b in bufs], dtype=torch.int64)
     outs = [torch.full_like(x, NAN) for x in xs]
     one_shot = algo == "one_shot_push"
-    kernel, phases = (_one_shot_push_phase, 2) if one_shot else (_two_shot_push_phase, 3)
-    for phase in range(phases):
+    for phase in range(2 if one_shot else 3):
         for rank in range(world):
-            kernel[(programs,)](
+            _push_phase[(programs,)](
                 xs[rank].view(-1).view(torch.int32), outs[rank].view(-1).view(torch.int32), table.data_ptr(),
                 status[rank], n_vec, base_vecs, layout.slot_bytes // 16, layout.chunk_bytes // 16, set_,
-                PHASE=phase, RANK=rank, WORLD=world, DT=TRITON_DTYPES[dtype], BLOCK_V=block_v,
-                OP=ONE_SHOT_PUSH_OP if one_shot else TWO_SHOT_PUSH_OP,
+                ONE_SHOT=one_shot, PHASE=phase, RANK=rank, WORLD=world, DT=TRITON_DTYPES[dtype],
+                BLOCK_V=block_v, OP=ONE_SHOT_PUSH_OP if one_shot else TWO_SHOT_PUSH_OP,
             )  # fmt: skip
     return outs, bufs, status, prefix
 

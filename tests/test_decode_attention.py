@@ -247,7 +247,7 @@ def test_no_sequences_give_empty_outputs(fp8: bool) -> None:
         ({"n_heads": 5, "n_kv_heads": 2}, "multiple of key/value heads"),
         ({"seqlen": 2}, "one new token per sequence"),
         ({"positions": 2}, "one int64 position"),
-        ({"pos_device": "meta"}, "input_pos must be on the cache's device cpu, got meta"),
+        ({"pos_device": "meta"}, "input_pos must be on k_cache's device cpu, got meta"),
         ({"rope_len": 6}, "the model's whole rotary table"),
     ],
 )
@@ -279,11 +279,9 @@ def test_a_meta_input_is_refused(fp8: bool) -> None:
     for i, name in enumerate(names):
         args = [t.to("meta") if j == i else t for j, t in enumerate(real)]
         if name == "k_cache":
-            message = f"k_cache and v_cache must be on one device, got meta and {device}"
-        elif name == "v_cache":
-            message = f"k_cache and v_cache must be on one device, got {device} and meta"
+            message = "v_cache, q, k, v, rope, input_pos must be on k_cache's device meta"
         else:
-            message = f"{name} must be on the cache's device {device}, got meta"
+            message = f"{name} must be on k_cache's device {device}, got meta"
         with pytest.raises(ValueError, match=message):
             decode_attention(*args, fp8=fp8)
     out = decode_attention(*[t.to("meta") for t in real], fp8=fp8)
